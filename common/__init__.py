@@ -1,0 +1,1 @@
+"""Engine core shared by every role: config, block manager, model, attention, scheduler."""

@@ -1,0 +1,15 @@
+"""Session-wide test setup.
+
+TRITON_INTERPRET must be set before anything imports triton, so it is set here,
+at the top of the first module pytest loads. No test needs a GPU: Triton kernels
+run in the interpreter on CPU tensors.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray must bind and advertise loopback only in tests.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

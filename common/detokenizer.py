@@ -1,0 +1,146 @@
+"""Token ids -> streamed text, one token at a time, with stop strings.
+
+Incremental decoding (the prefix-offset / read-offset technique):
+
+    ids:  ... [prefix_offset, read_offset)  [read_offset, len(ids))
+               already emitted, decoded     new tokens
+               again only as context
+
+Each step decodes two short windows, `ids[prefix_offset:read_offset]` and
+`ids[prefix_offset:]`, and emits the difference of the two texts. The context window
+matters for tokenizers whose decode depends on the neighbour (SentencePiece drops the
+leading space of a sequence's first token). When the new text ends in U+FFFD the last
+token stopped inside a multi-byte UTF-8 character (byte-level BPE splits 'é', '日',
+emoji over several tokens): nothing is emitted and the offsets stay, so the next token
+completes the character. Cost per token: two decodes of a few tokens, never the whole
+sequence. The window starts 5 tokens into the prompt's tail so the first generated
+token is decoded in context; a window starting inside a character decodes the same
+stray bytes in both texts, so they cancel out of the difference.
+
+Stop strings are matched on the decoded text, across token boundaries. The earliest
+match in the text wins (same start: the shorter, which completes first); the stop
+string and everything after it never reach the client. Text that could still be the
+beginning of a stop string (the longest suffix that is a proper prefix of one, at most
+max(len(stop)) - 1 characters) is held back until it either completes the stop string
+or stops matching, so a client never sees text that later gets retracted. `flush()`
+releases what is held at the end (length or EOS).
+
+The output text is that of the generated ids decoded in the context of the prompt; for
+byte-level BPE this equals `tokenizer.decode(generated_ids)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+_REPLACEMENT = "\ufffd"  # what a decoder writes for an incomplete UTF-8 sequence
+_PROMPT_CONTEXT = 5  # prompt tokens decoded as context before the first new token
+
+
+class Tokenizer(Protocol):
+    """What the detokenizer needs: HF tokenizers and `tokenizers.Tokenizer` both fit."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """The text of one sequence, grown one token at a time."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if any(not s for s in stop):
+            raise ValueError("stop strings must not be empty")
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._stops = tuple(stop)
+        # All proper prefixes of the stop strings: what may be held back.
+        self._stop_prefixes = frozenset(s[:k] for s in self._stops for k in range(1, len(s)))
+        self._max_hold = max((len(s) - 1 for s in self._stops), default=0)
+        # Only the prompt's tail is kept: it is decoding context, never output.
+        self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._held = ""  # decoded, complete text not yet emitted (may start a stop)
+        self.text = ""  # emitted so far, stop string excluded
+        self.stop_reason: str | None = None  # the stop string matched, once matched
+        self.num_tokens = 0  # generated tokens added
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_reason is not None
+
+    def add(self, token_id: int) -> str:
+        """Append one generated token; return the new text that may be emitted now."""
+        if self.stopped:
+            raise RuntimeError(
+                f"add() after the sequence stopped on stop string {self.stop_reason!r}"
+            )
+        self._ids.append(token_id)
+        self.num_tokens += 1
+        return self._emit(self._decode_new(), final=False)
+
+    def flush(self) -> str:
+        """At the end (length, EOS, stop token): release all held-back text."""
+        if self.stopped:
+            return ""
+        tail = self._decode_window()[1]  # may end in U+FFFD: decode(all) would too
+        self._read_offset = len(self._ids)
+        self._prefix_offset = self._read_offset
+        return self._emit(tail, final=True)
+
+    def _decode_window(self) -> tuple[str, str]:
+        """(text of the context window, text of the tokens after it)."""
+        decode = self._tokenizer.decode
+        prefix = decode(
+            self._ids[self._prefix_offset : self._read_offset],
+            skip_special_tokens=self._skip_special,
+        )
+        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip_special)
+        return prefix, full[len(prefix) :] if len(full) > len(prefix) else ""
+
+    def _decode_new(self) -> str:
+        """The text the new tokens complete; "" while a character is still incomplete."""
+        _, new = self._decode_window()
+        if not new or new.endswith(_REPLACEMENT):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return new
+
+    def _emit(self, new: str, *, final: bool) -> str:
+        """Run `new` through the stop strings; return what the client may see now."""
+        buf = self._held + new
+        match = self._find_stop(buf)
+        if match is not None:
+            start, stop = match
+            self.stop_reason = stop
+            out, self._held = buf[:start], ""
+        else:
+            hold = 0 if final else self._hold_length(buf)
+            out, self._held = buf[: len(buf) - hold], buf[len(buf) - hold :]
+        self.text += out
+        return out
+
+    def _find_stop(self, buf: str) -> tuple[int, str] | None:
+        """Earliest (start, stop string) in buf; on the same start the shorter one."""
+        best: tuple[int, int, str] | None = None
+        for s in self._stops:
+            i = buf.find(s)
+            if i >= 0 and (best is None or (i, len(s)) < best[:2]):
+                best = (i, len(s), s)
+        return None if best is None else (best[0], best[2])
+
+    def _hold_length(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of a stop string."""
+        for k in range(min(self._max_hold, len(buf)), 0, -1):
+            if buf[-k:] in self._stop_prefixes:
+                return k
+        return 0

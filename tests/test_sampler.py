@@ -1,0 +1,280 @@
+"""Sampler: greedy, seeds, the top-k / top-p / min-p masks, repetition penalty, logprobs.
+
+Masks are checked by their support: many draws from hand-built logits with a seeded
+generator, and the set of tokens that ever came out must be exactly the kept set.
+"""
+
+import math
+
+import pytest
+import torch
+
+from pagedserve.common.sampler import SampleOutput, Sampler, make_generator
+from pagedserve.common.sampling_params import SamplingParams
+
+sampler = Sampler()
+
+
+def run(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list | None = None,
+    outputs: list[list[int]] | None = None,
+    prompts: list[list[int]] | None = None,
+) -> SampleOutput:
+    n = logits.shape[0]
+    return sampler(
+        logits,
+        params,
+        generators if generators is not None else [None] * n,
+        outputs if outputs is not None else [[] for _ in range(n)],
+        prompts if prompts is not None else [[] for _ in range(n)],
+    )
+
+
+def log_probs(probs: list[float]) -> torch.Tensor:
+    return torch.tensor(probs).log()
+
+
+def support(logits_row: torch.Tensor, params: SamplingParams, draws: int = 600) -> set[int]:
+    """Tokens drawn from one row, `draws` times, with one seeded generator."""
+    g = make_generator(1234)
+    logits = logits_row.expand(draws, -1).contiguous()  # [draws, V]
+    out = run(logits, [params] * draws, [g] * draws)
+    return set(out.token_ids)
+
+
+def random_logits(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, vocab, generator=g) * 3
+
+
+# --- greedy -------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax() -> None:
+    logits = random_logits(64, 1000)
+    out = run(logits, [SamplingParams(temperature=0)] * 64)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.logprobs == [None] * 64
+
+
+def test_batched_greedy_fast_path_equals_per_row_path() -> None:
+    logits = random_logits(16, 500, seed=1)
+    greedy = SamplingParams(temperature=0)
+    fast = run(logits, [greedy] * 16).token_ids
+    # logprobs=0 forces the general path for the whole batch; one row at a time too.
+    general = run(logits, [SamplingParams(temperature=0, logprobs=0)] * 16).token_ids
+    per_row = [run(logits[i : i + 1], [greedy]).token_ids[0] for i in range(16)]
+    assert fast == general == per_row == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_1_equals_greedy() -> None:
+    logits = random_logits(8, 300, seed=2)
+    gens = [make_generator(s) for s in range(8)]
+    for _ in range(20):
+        out = run(logits, [SamplingParams(temperature=1.5, top_k=1)] * 8, gens)
+        assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_greedy_rows_in_a_mixed_batch_stay_argmax() -> None:
+    logits = random_logits(6, 200, seed=3)
+    params = [SamplingParams(temperature=0) if i % 2 == 0 else SamplingParams() for i in range(6)]
+    gens = [None if i % 2 == 0 else make_generator(i) for i in range(6)]
+    out = run(logits, params, gens)
+    assert out.token_ids[0::2] == logits[0::2].argmax(dim=-1).tolist()
+
+
+def test_logits_are_not_modified() -> None:
+    logits = random_logits(4, 50, seed=4)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1)] * 2 + [
+        SamplingParams(temperature=0, repetition_penalty=1.3, logprobs=2)
+    ] * 2
+    run(logits, params, outputs=[[1, 2]] * 4, prompts=[[3]] * 4)
+    assert torch.equal(logits, before)
+
+
+# --- seeds --------------------------------------------------------------------------
+
+
+def draw_sequence(seed: int | None, sample_index: int = 0, steps: int = 30) -> list[int]:
+    """One sequence of tokens drawn over `steps` fixed random logits rows."""
+    logits = random_logits(steps, 64, seed=5)  # flat enough that draws vary
+    g = make_generator(seed, sample_index)
+    return [run(logits[t : t + 1], [SamplingParams()], [g]).token_ids[0] for t in range(steps)]
+
+
+def test_fixed_seed_reproduces_tokens_and_different_seeds_differ() -> None:
+    assert draw_sequence(7) == draw_sequence(7)
+    assert draw_sequence(7) != draw_sequence(8)
+    assert draw_sequence(7, sample_index=1) == draw_sequence(7, sample_index=1)
+    assert draw_sequence(7, sample_index=1) != draw_sequence(7, sample_index=0)
+    # Sample 1 of seed 7 is not sample 0 of seed 8 (no "seed + index" aliasing).
+    assert draw_sequence(7, sample_index=1) != draw_sequence(8, sample_index=0)
+
+
+def test_make_generator() -> None:
+    assert make_generator(None, 3) is None
+    a, b = make_generator(5, 0), make_generator(5, 0)
+    assert torch.equal(a.get_state(), b.get_state())
+    assert not torch.equal(a.get_state(), make_generator(5, 1).get_state())
+    assert make_generator(2**70, 0) is not None and make_generator(-1, 0) is not None
+
+
+def test_seeded_row_does_not_depend_on_its_batch() -> None:
+    """A seeded request draws the same tokens alone or next to other requests."""
+    logits = random_logits(5, 64, seed=6)
+    alone_gen = make_generator(99)
+    alone = [run(logits[2:3], [SamplingParams()], [alone_gen]).token_ids[0] for _ in range(10)]
+    gens = [None, make_generator(1), make_generator(99), None, make_generator(3)]
+    params = [SamplingParams(), SamplingParams(top_k=3), SamplingParams()] + [
+        SamplingParams(temperature=0),
+        SamplingParams(min_p=0.2),
+    ]
+    batched = [run(logits, params, gens).token_ids[2] for _ in range(10)]
+    assert batched == alone
+    assert len(set(alone)) > 1  # the test draws, it does not just take the argmax
+
+
+def test_draw_frequencies_match_the_distribution() -> None:
+    """The exponential race is a draw from softmax(logits / temperature)."""
+    probs = [0.5, 0.3, 0.15, 0.05]
+    draws = 20000
+    torch.manual_seed(0)  # unseeded rows use the global RNG
+    logits = log_probs(probs).expand(draws, -1).contiguous()
+    out = run(logits, [SamplingParams()] * draws)
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=4) / draws
+    assert torch.allclose(counts, torch.tensor(probs), atol=0.015)
+    # temperature 0.5 squares the probabilities (then renormalizes)
+    squared = torch.tensor(probs) ** 2
+    squared /= squared.sum()
+    out = run(logits, [SamplingParams(temperature=0.5)] * draws)
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=4) / draws
+    assert torch.allclose(counts, squared, atol=0.015)
+
+
+# --- masks (support sets) -----------------------------------------------------------
+
+PROBS = [0.5, 0.3, 0.15, 0.05]
+
+
+@pytest.mark.parametrize(
+    ("params", "kept"),
+    [
+        (SamplingParams(), {0, 1, 2, 3}),
+        (SamplingParams(top_k=2), {0, 1}),
+        (SamplingParams(top_k=3), {0, 1, 2}),
+        (SamplingParams(top_k=4), {0, 1, 2, 3}),
+        (SamplingParams(top_k=100), {0, 1, 2, 3}),  # above the vocabulary: off
+        (SamplingParams(top_k=0), {0, 1, 2, 3}),
+        (SamplingParams(top_p=0.4), {0}),  # mass before token 1 is 0.5 >= 0.4
+        (SamplingParams(top_p=0.75), {0, 1}),  # before token 2: 0.8
+        (SamplingParams(top_p=0.83), {0, 1, 2}),  # before token 3: 0.95
+        (SamplingParams(top_p=0.99), {0, 1, 2, 3}),
+        # top-k first, then top-p over the renormalized top 3: masses before are
+        # 0, 0.526, 0.842 so 0.83 now drops token 2 as well.
+        (SamplingParams(top_k=3, top_p=0.83), {0, 1}),
+        (SamplingParams(min_p=0.2), {0, 1, 2}),  # p >= 0.1
+        (SamplingParams(min_p=0.5), {0, 1}),  # p >= 0.25
+        (SamplingParams(min_p=1.0), {0}),
+        # temperature 0.5 first: ratios to the top become 0.36, 0.09, 0.01
+        (SamplingParams(temperature=0.5, min_p=0.2), {0, 1}),
+        (SamplingParams(temperature=0.5, min_p=0.05), {0, 1, 2}),
+        # temperature 0.5: probabilities 0.71, 0.26, 0.03, 0.00 -> top_p 0.9 keeps 2
+        (SamplingParams(temperature=0.5, top_p=0.9), {0, 1}),
+        # top_p then min_p: top_p keeps {0, 1, 2}, min_p 0.5 keeps {0, 1}
+        (SamplingParams(top_p=0.83, min_p=0.5), {0, 1}),
+    ],
+)
+def test_support_of_masks(params: SamplingParams, kept: set[int]) -> None:
+    assert support(log_probs(PROBS), params) == kept
+
+
+def test_masks_apply_per_row() -> None:
+    """Rows with different knobs in one batch each get their own mask."""
+    draws = 300
+    logits = log_probs(PROBS).expand(3 * draws, -1).contiguous()
+    params = [SamplingParams(top_k=1)] * draws + [SamplingParams(top_p=0.75)] * draws
+    params += [SamplingParams()] * draws
+    gens = [make_generator(0)] * (3 * draws)
+    out = run(logits, params, gens).token_ids
+    assert set(out[:draws]) == {0}
+    assert set(out[draws : 2 * draws]) == {0, 1}
+    assert set(out[2 * draws :]) == {0, 1, 2, 3}
+
+
+def test_top_k_keeps_exactly_k_on_a_larger_vocab() -> None:
+    logits = random_logits(1, 1000, seed=7)[0]
+    top5 = set(logits.topk(5).indices.tolist())
+    assert support(logits * 0.05, SamplingParams(top_k=5), draws=1000) == top5
+
+
+# --- repetition penalty -------------------------------------------------------------
+
+
+def test_repetition_penalty_hf_semantics() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -0.5]])
+    params = [SamplingParams(temperature=0, repetition_penalty=2.0, logprobs=5)]
+    out = run(logits, params, outputs=[[1, 3, 3]], prompts=[[0, 1]])
+    # seen {0, 1, 3}: positive divided, negative multiplied, once each however often seen
+    expected = torch.tensor([1.0, -2.0, 0.5, 1.5, -0.5]).log_softmax(-1)
+    got = dict(out.logprobs[0].top)
+    assert [got[i] for i in range(5)] == pytest.approx(expected.tolist(), abs=1e-6)
+    assert out.token_ids == [3]
+
+
+def test_repetition_penalty_changes_the_greedy_choice() -> None:
+    logits = torch.tensor([[3.0, 2.0, 0.0], [-1.0, -1.5, -4.0], [3.0, 2.0, 0.0]])
+    params = [SamplingParams(temperature=0, repetition_penalty=2.0)] * 2
+    params.append(SamplingParams(temperature=0, repetition_penalty=0.5))  # encourages
+    out = run(logits, params, outputs=[[], [0], [1]], prompts=[[0], [], []])
+    # row 0: 3.0 / 2 = 1.5 < 2.0; row 1: -1.0 * 2 = -2.0 < -1.5; row 2: 2.0 / 0.5 = 4.0 > 3.0
+    assert out.token_ids == [1, 1, 1]
+    # without the penalty every row takes token 0
+    plain = run(logits, [SamplingParams(temperature=0)] * 3, outputs=[[], [0], [1]])
+    assert plain.token_ids == [0, 0, 0]
+
+
+def test_repetition_penalty_restricts_a_sampled_row() -> None:
+    # token 0 is seen; after the penalty 1 / 1e3 is far below token 1: top_k=1 -> token 1
+    logits = torch.tensor([1.0, 0.9, -5.0])
+    params = SamplingParams(top_k=1, repetition_penalty=1e3)
+    g = make_generator(0)
+    out = run(logits.expand(50, -1).contiguous(), [params] * 50, [g] * 50, prompts=[[0]] * 50)
+    assert set(out.token_ids) == {1}
+
+
+# --- logprobs -----------------------------------------------------------------------
+
+
+def test_logprobs_equal_log_softmax() -> None:
+    logits = random_logits(4, 300, seed=8)
+    params = [
+        SamplingParams(temperature=0, logprobs=5),
+        SamplingParams(temperature=0.6, top_k=10, logprobs=3),
+        SamplingParams(temperature=1.3, logprobs=0),
+        SamplingParams(temperature=0),  # asks none
+    ]
+    gens = [None, make_generator(1), make_generator(2), None]
+    out = run(logits, params, gens)
+    ref = logits.log_softmax(dim=-1)  # before temperature and masks
+    for i, k in [(0, 5), (1, 3), (2, 0)]:
+        lp = out.logprobs[i]
+        assert lp is not None and lp.token_id == out.token_ids[i]
+        assert lp.logprob == pytest.approx(ref[i, out.token_ids[i]].item(), abs=1e-5)
+        vals, ids = ref[i].topk(k)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(vals.tolist(), abs=1e-5)
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+    assert out.logprobs[3] is None
+    assert out.logprobs[0].top[0] == (out.token_ids[0], out.logprobs[0].logprob)
+    assert math.isclose(sum(math.exp(v) for v in ref[0].tolist()), 1.0, rel_tol=1e-4)
+
+
+def test_mismatched_lengths_are_rejected() -> None:
+    logits = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="sampler got 2 logits rows but 1 generators"):
+        sampler(logits, [SamplingParams()] * 2, [None], [[], []], [[], []])
+    with pytest.raises(ValueError, match="sampler got 2 logits rows but 3 params"):
+        sampler(logits, [SamplingParams()] * 3, [None] * 2, [[], []], [[], []])

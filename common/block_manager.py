@@ -289,6 +289,12 @@ class BlockManager:
         """Chained hashes of the sequence's computed full blocks, in order."""
         return list(self._seq(seq_id).hashes)
 
+    def block_ref_count(self, block_id: int) -> int:
+        """How many block-table entries point at this physical block."""
+        if not 0 <= block_id < self.num_blocks:
+            raise InvalidArgumentError(f"block id {block_id} out of range [0, {self.num_blocks})")
+        return self._blocks[block_id].ref_count
+
     def cached_hashes(self) -> list[BlockHash]:
         """Every hash in the prefix cache now (used or cached-free), for an index resync."""
         return list(self._hash_to_block)

@@ -35,7 +35,9 @@ from pagedserve.common.prefix_index.redis import RedisPrefixIndex, redact_url
 
 pytest_plugins = ["fixtures_redis"]
 
-BACKENDS = ["embedded", "redis"]
+# "redis-chunked" runs the shared suite with tiny script budgets, so every split
+# path (apply pieces, chunked resync, stepwise draining) is exercised.
+BACKENDS = ["embedded", "redis", "redis-chunked"]
 
 
 def h(i: int, tag: str = "") -> bytes:
@@ -99,7 +101,9 @@ def make_index(backend: str, request: pytest.FixtureRequest, unique_namespace: s
         if backend == "embedded":
             index: PrefixIndex = embedded.setdefault(ns, EmbeddedPrefixIndex(ns))
         else:
-            index = RedisPrefixIndex(request.getfixturevalue("redis_server"), ns)
+            budget = 2 if backend == "redis-chunked" else 2048
+            url = request.getfixturevalue("redis_server")
+            index = RedisPrefixIndex(url, ns, max_hashes_per_call=budget)
         created.append(index)
         return index
 
@@ -596,9 +600,9 @@ def commandstats(client: redis.Redis) -> dict[str, int]:
 def test_redis_match_is_one_round_trip(redis_server: str, unique_namespace: str) -> None:
     index = RedisPrefixIndex(redis_server, unique_namespace)
     try:
+        index.load_scripts()
         join(index, "A", CHAIN[:5])
         join(index, "B", CHAIN[:2])
-        assert index.match(CHAIN) == {"A": 5, "B": 2}  # loads the script
         probe = redis.Redis.from_url(redis_server)
         before = commandstats(probe)  # also opens probe's connection before MONITOR starts
         marker = f"end-{uuid.uuid4().hex}"
@@ -754,3 +758,107 @@ def test_redis_constructor_rejects_bad_arguments() -> None:
     assert redact_url("rediss://u:p@h:1/0") == "rediss://u:***@h:1/0"
     assert redact_url("redis://h:1/0") == "redis://h:1/0"
     assert isinstance(open_prefix_index(None, "ns"), EmbeddedPrefixIndex)
+
+
+# -- with the real block manager (the index itself does not import it) ----------
+
+
+def test_publisher_with_the_block_manager_and_router_hashes(make_index) -> None:
+    from pagedserve.common.block_manager import BlockManager, block_hashes
+
+    index = make_index()
+    manager = BlockManager(num_blocks=6, block_size=4, model_id="tiny")
+    publisher = IndexPublisher(index, "prefill-0", manager.cached_hashes, ttl_s=60)
+    prompt = list(range(100, 117))  # 4 full blocks + 1 token
+    manager.allocate("a", prompt)
+    manager.mark_computed("a", len(prompt))
+    assert publisher.publish(manager.drain_events()) is True
+
+    # The router hashes the next turn's tokens exactly as the worker did.
+    next_turn = prompt + [7, 8, 9, 10, 11]
+    assert index.match(block_hashes(next_turn, 4, "tiny")) == {"prefill-0": 4}
+    assert index.match(block_hashes(next_turn, 4, "tiny", cache_salt="tenant-b")) == {
+        "prefill-0": 0
+    }
+    assert index.match(block_hashes(next_turn, 4, "other-model")) == {"prefill-0": 0}
+
+    # Another prompt needs 5 blocks: 3 of a's cached blocks are evicted (tail first).
+    manager.free("a")
+    other = list(range(500, 520))
+    manager.allocate("b", other)
+    manager.mark_computed("b", len(other))
+    assert publisher.publish(manager.drain_events()) is True
+    assert index.worker_hashes("prefill-0") == set(manager.cached_hashes())
+    assert index.match(block_hashes(next_turn, 4, "tiny")) == {"prefill-0": 1}
+    assert index.match(block_hashes(other, 4, "tiny")) == {"prefill-0": 5}
+
+
+def test_redis_large_lists_move_in_bounded_steps(redis_server: str, unique_namespace: str) -> None:
+    index = RedisPrefixIndex(redis_server, unique_namespace, max_hashes_per_call=100)
+    probe = redis.Redis.from_url(redis_server)
+    p = f"ps:{{{unique_namespace}}}:"
+    old = [h(i, "old") for i in range(1000)]
+    new = old[750:] + [h(i, "new") for i in range(250)]  # 500 hashes, 250 kept
+
+    def scripts_run(action) -> int:
+        before = commandstats(probe).get("cmdstat_evalsha", 0)
+        action()
+        return commandstats(probe)["cmdstat_evalsha"] - before
+
+    try:
+        index.load_scripts()  # so no call below is a NOSCRIPT miss
+        index.heartbeat("A", 60)
+        # begin (nothing to drain) + 10 chunks of 100.
+        assert scripts_run(lambda: index.resync("A", old, 0)) == 1 + 10
+        assert index.worker_hashes("A") == set(old)
+        # begin drains 100 of the 1000 old hashes, 9 more drain steps, 5 chunks of 100.
+        assert scripts_run(lambda: index.resync("A", new, 5)) == 1 + 9 + 5
+        assert index.worker_hashes("A") == set(new)
+        assert index.match(old[:1]) == {"A": 0}
+        assert index.match(new[:300]) == {"A": 300}
+        assert index.worker_state("A") == WorkerIndexState(next_seq=5, needs_resync=False)
+
+        # A dies: B's heartbeats reap it at once and unlink its 500 hashes 100 at a time.
+        index.heartbeat("B", 60)
+        index.resync("B", new[:3], 0)
+        index.heartbeat("A", 0.2)
+        assert wait_until(lambda: index.match(new) == {"B": 3})
+        index.heartbeat("B", 60)
+        assert index.worker_hashes("A") == set()
+        assert probe.smembers(f"{p}draining") == {b"A"}
+        assert probe.scard(f"{p}old:A") == 400
+        for left in (300, 200, 100, 0):
+            index.heartbeat("B", 60)
+            assert probe.scard(f"{p}old:A") == left
+        keys = {k.decode() for k in probe.scan_iter(match=index.key_pattern)}
+        assert keys == {
+            *(f"{p}h:{x.hex()}" for x in new[:3]),
+            f"{p}w:B",
+            f"{p}m:B",
+            f"{p}alive:B",
+            f"{p}workers",
+        }
+        # A big apply is split into pieces of 100 events with consecutive numbers.
+        events = stored(*old[:250])
+        assert scripts_run(lambda: index.apply(batch("B", 0, events))) == 3
+        assert index.worker_state("B") == WorkerIndexState(next_seq=250, needs_resync=False)
+        assert index.match(old) == {"B": 250}
+    finally:
+        delete_namespace(index)
+        index.close()
+        probe.close()
+
+
+def test_redis_timeout_is_unavailable(redis_server_factory) -> None:
+    server = redis_server_factory.start()
+    index = RedisPrefixIndex(server.url, "paused", socket_timeout_s=0.1)
+    join(index, "A", CHAIN[:2])
+    admin = server.client()
+    admin.execute_command("CLIENT", "PAUSE", 1500, "ALL")  # the server stops answering
+    with pytest.raises(IndexUnavailableError, match="TimeoutError"):
+        index.match(CHAIN)
+    admin.execute_command("CLIENT", "UNPAUSE")
+    assert wait_until(index.is_available)
+    assert index.match(CHAIN) == {"A": 2}
+    admin.close()
+    index.close()

@@ -18,23 +18,41 @@ key                            type     contents
                                         ``resync`` = 1 while a resync is pending
 ``ps:{ns}:alive:<worker>``     STRING   exists while the worker is alive (PX TTL)
 ``ps:{ns}:workers``            SET      every worker with state in the namespace
+``ps:{ns}:old:<worker>``       SET      hashes of a removed worker (or of one being
+                                        resynced) still to unlink from ``h:`` sets
+``ps:{ns}:draining``           SET      workers whose ``old:`` set is not empty
 =============================  =======  ===========================================
 
 Decisions
 ---------
-- Every operation is one Lua script (one round trip, atomic): ``apply`` checks
-  the sequence number and applies the batch in one step, so no reader sees half
-  a batch, and a batch re-sent after a lost reply is recognised as a duplicate.
-  Several batches go in one pipeline (``apply_many``).
+- Every operation is a Lua script, so each step is atomic: ``apply`` checks the
+  sequence number and applies the batch in one step (no reader sees half a
+  batch; a batch re-sent after a lost reply is recognised as a duplicate).
 - ``match`` is one EVALSHA: it reads the registry, keeps the workers whose
   ``alive:`` key exists, then walks the chain's ``h:`` sets and stops as soon as
   no live worker holds the next block. (The first call after Redis lost its
   script cache costs a NOSCRIPT + EVAL, which redis-py does for us.)
+- No script touches more than ``max_hashes_per_call`` hashes (default 2048,
+  ~30 ms on a slow 2-core machine): Redis runs one script at a time, so a
+  100k-hash resync in one script would stall every router's ``match`` for
+  seconds and outlast the client's socket timeout. Hence:
+
+  * ``apply_many`` splits big batches (consecutive sequence numbers) and sends
+    at most that many events per round trip (one pipeline in the usual case);
+  * removing a worker (goodbye, reaping, or the start of its resync) is O(1):
+    its ``w:`` set is renamed to ``old:`` and the worker leaves the registry
+    (so it leaves ``match`` at once); its ``h:`` memberships are then unlinked
+    in bounded steps ("draining") by ``remove_worker``/``resync`` (their own
+    worker, until done) and by every ``heartbeat``/``workers`` (one step);
+  * ``resync`` = begin (detach the old list, mark the worker resync-pending),
+    drain its old list, add the new list chunk by chunk, and the last chunk
+    sets the sequence number and clears the pending mark. Until then ``match``
+    sees a subset of the list (it under-claims; never a wrong answer), and
+    batches for the worker are ignored (``RESYNC_PENDING``).
 - Liveness is the ``alive:`` key's TTL: a dead worker leaves ``match`` the moment
   its key expires. Its entries cannot expire by TTL (an ``h:`` set is shared by
-  all workers), so they are reaped by the next heartbeat of any worker, by
-  ``workers()`` or by ``reap()``: one script that drops every registered worker
-  without an ``alive:`` key.
+  all workers), so the next heartbeat of any worker, ``workers()`` or ``reap()``
+  removes every registered worker without an ``alive:`` key.
 - Unreachable Redis (refused, timed out, authentication failed, loading) raises
   :class:`IndexUnavailableError` after at most one immediate retry with a short
   socket timeout: the router falls back to load-only routing, publishers resync
@@ -48,6 +66,7 @@ commands ``+evalsha +eval +script|load +ping`` plus those the scripts call
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -70,24 +89,50 @@ from pagedserve.common.prefix_index.base import (
     check_worker_id,
 )
 
+logger = logging.getLogger(__name__)
+
 # Shared Lua helpers. KEYS[1] is always the registry (ps:{ns}:workers), ARGV[1]
 # the namespace prefix (ps:{ns}:).
 _LUA_PRELUDE = """
 local prefix = ARGV[1]
 local registry = KEYS[1]
+local draining = prefix .. 'draining'
 
-local function drop_entries(w)
-  local wkey = prefix .. 'w:' .. w
-  for _, hx in ipairs(redis.call('SMEMBERS', wkey)) do
-    redis.call('SREM', prefix .. 'h:' .. hx, w)
+-- O(1): move the worker's hashes to its old: set, to be unlinked by drain().
+local function detach_entries(w)
+  local wkey, okey = prefix .. 'w:' .. w, prefix .. 'old:' .. w
+  if redis.call('EXISTS', wkey) == 0 then return end
+  if redis.call('EXISTS', okey) == 1 then
+    redis.call('SUNIONSTORE', okey, okey, wkey)  -- an earlier drain was cut short
+    redis.call('DEL', wkey)
+  else
+    redis.call('RENAME', wkey, okey)
   end
-  redis.call('DEL', wkey)
+  redis.call('SADD', draining, w)
 end
 
 local function remove_worker(w)
-  drop_entries(w)
+  detach_entries(w)
   redis.call('DEL', prefix .. 'm:' .. w, prefix .. 'alive:' .. w)
   redis.call('SREM', registry, w)
+end
+
+-- Unlink up to `budget` detached hashes (of worker `only`, or of any worker).
+-- Returns the hashes `only` still has to drain, or the workers still draining.
+local function drain(budget, only)
+  local todo = only and {only} or redis.call('SMEMBERS', draining)
+  for _, w in ipairs(todo) do
+    if budget <= 0 then break end
+    local okey = prefix .. 'old:' .. w
+    local popped = redis.call('SPOP', okey, budget)
+    for _, hx in ipairs(popped) do
+      redis.call('SREM', prefix .. 'h:' .. hx, w)
+    end
+    budget = budget - #popped
+    if redis.call('EXISTS', okey) == 0 then redis.call('SREM', draining, w) end
+  end
+  if only then return redis.call('SCARD', prefix .. 'old:' .. only) end
+  return redis.call('SCARD', draining)
 end
 
 local function reap()
@@ -139,44 +184,65 @@ return 'applied'
 """
 )
 
-# ARGV: prefix, worker, next_seq, then the worker's full list of hex hashes.
-_RESYNC_LUA = (
+# ARGV: prefix, worker, budget. Detaches the worker's list, marks it resync-pending,
+# drains one step; returns the hashes still to drain.
+_RESYNC_BEGIN_LUA = (
+    _LUA_PRELUDE
+    + """
+local w = ARGV[2]
+detach_entries(w)
+redis.call('DEL', prefix .. 'm:' .. w)
+redis.call('HSET', prefix .. 'm:' .. w, 'next', '0', 'resync', '1')
+redis.call('SADD', registry, w)
+return drain(tonumber(ARGV[3]), w)
+"""
+)
+
+# ARGV: prefix, worker, next_seq ('' except on the last chunk), then hex hashes.
+# Returns 0 (and adds nothing) if the worker was removed since its resync began.
+_RESYNC_ADD_LUA = (
     _LUA_PRELUDE
     + """
 local w = ARGV[2]
 local mkey, wkey = prefix .. 'm:' .. w, prefix .. 'w:' .. w
-drop_entries(w)
+if redis.call('HGET', mkey, 'resync') ~= '1' then return 0 end
 for i = 4, #ARGV do
   redis.call('SADD', prefix .. 'h:' .. ARGV[i], w)
   redis.call('SADD', wkey, ARGV[i])
 end
-redis.call('DEL', mkey)
-redis.call('HSET', mkey, 'next', ARGV[3], 'resync', '0')
-redis.call('SADD', registry, w)
+if ARGV[3] ~= '' then
+  redis.call('HSET', mkey, 'next', ARGV[3], 'resync', '0')
+end
 return 1
 """
 )
 
-# ARGV: prefix, worker.
-_REMOVE_LUA = _LUA_PRELUDE + "\nremove_worker(ARGV[2])\nreturn 1\n"
+# ARGV: prefix, budget[, worker]. One drain step; see drain() for the reply.
+_DRAIN_LUA = _LUA_PRELUDE + "\nreturn drain(tonumber(ARGV[2]), ARGV[3])\n"
 
-# ARGV: prefix, worker, ttl in ms. Reaps first, so a worker never reaps itself.
+# ARGV: prefix, worker, budget. Returns the hashes of the worker still to drain.
+_REMOVE_LUA = _LUA_PRELUDE + "\nremove_worker(ARGV[2])\nreturn drain(tonumber(ARGV[3]), ARGV[2])\n"
+
+# ARGV: prefix, worker, ttl in ms, budget. Reaps first, so a worker never reaps
+# itself; then one drain step. Returns the reaped workers.
 _HEARTBEAT_LUA = (
     _LUA_PRELUDE
     + """
 local dead = reap()
 redis.call('SET', prefix .. 'alive:' .. ARGV[2], '1', 'PX', ARGV[3])
 redis.call('SADD', registry, ARGV[2])
+drain(tonumber(ARGV[4]))
 return dead
 """
 )
 
-# ARGV: prefix. Returns {dead workers, live workers}.
+# ARGV: prefix, budget. Returns {reaped workers, live workers, workers still draining}.
 _REAP_LUA = (
     _LUA_PRELUDE
     + """
 local dead = reap()
-return {dead, redis.call('SMEMBERS', registry)}
+local left = drain(tonumber(ARGV[2]))
+return {dead, redis.call('SMEMBERS', registry), left}
 """
 )
 
@@ -257,6 +323,7 @@ class RedisPrefixIndex(PrefixIndex):
         *,
         key_prefix: str = "ps",
         socket_timeout_s: float = 0.5,
+        max_hashes_per_call: int = 2048,
         **connection_options: Any,
     ):
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
@@ -264,25 +331,45 @@ class RedisPrefixIndex(PrefixIndex):
         check_namespace(namespace)
         check_namespace(key_prefix)
         check_ttl(socket_timeout_s)
+        if not isinstance(max_hashes_per_call, int) or max_hashes_per_call < 1:
+            raise ValueError(f"max_hashes_per_call must be a positive int: {max_hashes_per_call!r}")
         self.namespace = namespace
         self.url = redact_url(url)
+        self.max_hashes_per_call = max_hashes_per_call
         self._prefix = f"{key_prefix}:{{{namespace}}}:"
         self._registry = self._prefix + "workers"
         options: dict[str, Any] = {
             "socket_timeout": socket_timeout_s,
             "socket_connect_timeout": socket_timeout_s,
             # One immediate retry: rides over a connection the server closed
-            # (restart) without stretching an outage into seconds.
+            # (restart) without stretching an outage into seconds. Every script
+            # is safe to run twice (sequence numbers make apply idempotent).
             "retry": Retry(NoBackoff(), 1),
         }
         options.update(connection_options)
         self._redis = redis.Redis.from_url(url, **options)
-        self._apply = self._redis.register_script(_APPLY_LUA)
-        self._resync = self._redis.register_script(_RESYNC_LUA)
-        self._remove = self._redis.register_script(_REMOVE_LUA)
-        self._heartbeat = self._redis.register_script(_HEARTBEAT_LUA)
-        self._reap = self._redis.register_script(_REAP_LUA)
-        self._match = self._redis.register_script(_MATCH_LUA)
+        self._scripts: list[Any] = []
+        register = self._register
+        self._apply = register(_APPLY_LUA)
+        self._resync_begin = register(_RESYNC_BEGIN_LUA)
+        self._resync_add = register(_RESYNC_ADD_LUA)
+        self._drain = register(_DRAIN_LUA)
+        self._remove = register(_REMOVE_LUA)
+        self._heartbeat = register(_HEARTBEAT_LUA)
+        self._reap = register(_REAP_LUA)
+        self._match = register(_MATCH_LUA)
+
+    def _register(self, source: str) -> Any:
+        script = self._redis.register_script(source)
+        self._scripts.append(script)
+        return script
+
+    def load_scripts(self) -> None:
+        """Load every script into Redis now (e.g. at router start), so that even the
+        first ``match`` is one round trip. Optional: a missing script is loaded on use."""
+        with self._guard("load_scripts"):
+            for script in self._scripts:
+                script.sha = self._redis.script_load(script.script)
 
     # -- keys -----------------------------------------------------------------
 
@@ -307,55 +394,87 @@ class RedisPrefixIndex(PrefixIndex):
                 f"unavailable during {what}: {type(exc).__name__}: {exc}"
             ) from exc
 
+    def _run(self, script: Any, *args: object, client: Any = None) -> Any:
+        """Run one of our scripts: KEYS = [registry], ARGV = [prefix, *args]."""
+        return script(keys=[self._registry], args=[self._prefix, *args], client=client)
+
     # -- writes ---------------------------------------------------------------
 
     def apply(self, batch: EventBatch) -> ApplyResult:
         return self.apply_many([batch])[0]
 
     def apply_many(self, batches: Sequence[EventBatch]) -> list[ApplyResult]:
-        """Apply several batches in one pipeline; results in order."""
+        """Apply batches in order; one round trip per ``max_hashes_per_call`` events."""
         for batch in batches:
             if not isinstance(batch, EventBatch):
                 raise TypeError(f"apply() takes EventBatch objects, got {type(batch).__name__}")
-        if not batches:
-            return []
+        # pieces[i] = (index of its batch, sub-batch of <= max_hashes_per_call events)
+        limit = self.max_hashes_per_call
+        pieces = [
+            (i, EventBatch(b.worker_id, b.seq_start + k, b.events[k : k + limit]))
+            for i, b in enumerate(batches)
+            for k in range(0, max(len(b.events), 1), limit)
+        ]
+        replies: list[ApplyResult] = []
         with self._guard("apply"):
-            if len(batches) == 1:
-                replies = [self._apply(keys=[self._registry], args=self._apply_args(batches[0]))]
-            else:
+            for group in _groups(pieces, limit):
+                if len(group) == 1:
+                    replies.append(_RESULTS[self._run(self._apply, *self._apply_args(group[0][1]))])
+                    continue
                 pipe = self._redis.pipeline(transaction=False)
-                for batch in batches:
-                    self._apply(keys=[self._registry], args=self._apply_args(batch), client=pipe)
-                replies = pipe.execute()
-        return [_RESULTS[reply] for reply in replies]
+                for _, piece in group:
+                    self._run(self._apply, *self._apply_args(piece), client=pipe)
+                replies.extend(_RESULTS[r] for r in pipe.execute())
+        results: list[list[ApplyResult]] = [[] for _ in batches]
+        for (i, _), reply in zip(pieces, replies, strict=True):
+            results[i].append(reply)
+        return [_combine(r) for r in results]
 
-    def _apply_args(self, batch: EventBatch) -> list[str | int]:
+    @staticmethod
+    def _apply_args(batch: EventBatch) -> list[str | int]:
         ops = [
             ("s" if e.kind is EventKind.STORED else "r") + e.block_hash.hex() for e in batch.events
         ]
-        return [self._prefix, batch.worker_id, batch.seq_start, *ops]
+        return [batch.worker_id, batch.seq_start, *ops]
 
     def resync(self, worker_id: str, block_hashes: Iterable[bytes], next_seq: int) -> None:
         check_worker_id(worker_id)
         check_seq(next_seq, "next_seq")
         hexes = sorted({check_hash(h).hex() for h in block_hashes})
+        limit = self.max_hashes_per_call
+        chunks = [hexes[i : i + limit] for i in range(0, len(hexes), limit)] or [[]]
         with self._guard("resync"):
-            self._resync(keys=[self._registry], args=[self._prefix, worker_id, next_seq, *hexes])
+            left = self._run(self._resync_begin, worker_id, limit)
+            while left > 0:
+                left = self._run(self._drain, limit, worker_id)
+            # One chunk per round trip: pipelined chunks could run back to back
+            # inside one event-loop turn and hold Redis as long as one big script.
+            for k, chunk in enumerate(chunks):
+                last = k == len(chunks) - 1
+                if not self._run(self._resync_add, worker_id, next_seq if last else "", *chunk):
+                    logger.warning("resync of %s cut short: removed meanwhile", worker_id)
+                    return
 
     def remove_worker(self, worker_id: str) -> None:
         check_worker_id(worker_id)
+        limit = self.max_hashes_per_call
         with self._guard("remove_worker"):
-            self._remove(keys=[self._registry], args=[self._prefix, worker_id])
+            left = self._run(self._remove, worker_id, limit)
+            while left > 0:
+                left = self._run(self._drain, limit, worker_id)
 
     def heartbeat(self, worker_id: str, ttl_s: float) -> None:
         check_worker_id(worker_id)
         ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
         with self._guard("heartbeat"):
-            self._heartbeat(keys=[self._registry], args=[self._prefix, worker_id, ttl_ms])
+            self._run(self._heartbeat, worker_id, ttl_ms, self.max_hashes_per_call)
 
     def reap(self) -> list[str]:
+        limit = self.max_hashes_per_call
         with self._guard("reap"):
-            dead, _ = self._reap(keys=[self._registry], args=[self._prefix])
+            dead, _, left = self._run(self._reap, limit)
+            while left > 0:
+                left = self._run(self._drain, limit)
         return sorted(w.decode() for w in dead)
 
     # -- reads ----------------------------------------------------------------
@@ -368,8 +487,8 @@ class RedisPrefixIndex(PrefixIndex):
 
     def workers(self) -> list[str]:
         with self._guard("workers"):
-            _, live = self._reap(keys=[self._registry], args=[self._prefix])
-        # The script reaped every registered worker without an alive: key, so the
+            _, live, _ = self._run(self._reap, self.max_hashes_per_call)
+        # The script removed every registered worker without an alive: key, so the
         # rest of the registry is the live set.
         return sorted(w.decode() for w in live)
 
@@ -397,3 +516,26 @@ class RedisPrefixIndex(PrefixIndex):
 
     def close(self) -> None:
         self._redis.close()
+
+
+def _groups(pieces: list[tuple[int, EventBatch]], limit: int) -> Iterator[list]:
+    """Consecutive pieces whose events add up to at most ``limit`` (one piece at least)."""
+    group: list[tuple[int, EventBatch]] = []
+    size = 0
+    for piece in pieces:
+        n = len(piece[1].events)
+        if group and size + n > limit:
+            yield group
+            group, size = [], 0
+        group.append(piece)
+        size += n
+    if group:
+        yield group
+
+
+def _combine(replies: list[ApplyResult]) -> ApplyResult:
+    """One result for a batch sent in pieces."""
+    for reply in replies:
+        if reply.needs_resync:
+            return reply
+    return ApplyResult.APPLIED if ApplyResult.APPLIED in replies else ApplyResult.DUPLICATE

@@ -22,6 +22,8 @@ A worker the index does not know (first contact, an index that restarted empty,
 a worker that was removed or reaped) is also a ``GAP``: a worker enters the
 index only through a resync, so an index never holds half of a worker's state.
 Resync carries the number of the first event *not* reflected in the snapshot.
+While a worker awaits its resync, its last known entries still count in
+``match``: a stale entry costs the router a recompute, never a wrong answer.
 
 Why a snapshot plus a replay converges: both events are set operations on one
 hash ("holds" / "does not hold"), so the state of a hash is decided by its last

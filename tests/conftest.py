@@ -13,3 +13,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Ray must bind and advertise loopback only in tests.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+# A real redis-server per test session (tests/fixtures_redis.py).
+pytest_plugins = ["fixtures_redis"]

@@ -12,16 +12,23 @@ They do not change with the sampling knobs, and a greedy row's chosen token is t
 top-1 of its logprobs.
 
 Decisions:
-- Drawing uses the exponential race (argmax of logit - log E, E ~ Exp(1)), which is
-  exactly a draw from softmax(logits): it needs no softmax and no cumsum, batches
-  the unseeded rows into one noise tensor, and a seeded row only ever consumes its own
-  generator, so its tokens do not depend on which other requests share the batch.
-- top-k keeps exactly k tokens by rank (ties broken by the sort), and top-k and top-p
-  share one sort: `torch.topk(max k)` when every such row has a top-k, a full sort only
-  when some row has top-p without top-k.
-- min-p needs no softmax: p_i >= min_p * p_max  <=>  logit_i >= max_logit + log(min_p)
-  (on temperature-scaled logits; masking never removes the top token, so the maximum
-  is unchanged by the earlier filters).
+- A draw is inverse-CDF sampling with ONE uniform per row: cumsum of the row's
+  unnormalized weights exp(logit - max), then `searchsorted`. The alternatives cost
+  V random numbers per row (the exponential race / Gumbel-max: 120 ms for 64 x 49152
+  on this CPU, `torch.multinomial` 80 ms) against ~13 ms here. Unseeded rows share one
+  batched `torch.rand`; a seeded row draws its uniform from its own generator, so its
+  tokens never depend on which other requests share the batch, and it consumes exactly
+  one number per step. The cumsum is float32: an error of ~1e-5 in a token's
+  probability; a zero-weight (masked) token is never drawn.
+- min-p needs no softmax: with w_i = exp(l_i - l_max) = p_i / p_max it is `w < min_p`
+  (on temperature-scaled logits; the earlier filters never remove the top token).
+- top-k and top-p work on sorted candidates from `torch.topk`, never a full-vocab sort
+  unless needed: k candidates for a top-k row; for a top-p-only row the top 256
+  (`_TOP_P_CANDIDATES`), exact whenever their probability mass reaches top_p (every
+  token past them then has mass-before >= top_p and would be cut anyway); a row whose
+  top 256 hold less falls back to a full sort. top-k keeps exactly k tokens by rank
+  (ties broken by the sort). top-p keeps a token while the mass strictly before it is
+  < top_p (so the top token always stays), computed after top-k renormalizes.
 - The caller's `logits` tensor is never modified.
 - Fast path: when every row is greedy, unpenalized and asks no logprobs, the batch is
   one `argmax` and one `tolist()`: no per-row Python work, no sort.
@@ -143,71 +150,106 @@ def _apply_repetition_penalty(
     return out
 
 
+_TOP_P_CANDIDATES = 256  # top-p-only rows first look at this many tokens (see above)
+
+
 def _sample_rows(
     logits: torch.Tensor,  # [N, V] penalized
     rows: list[int],
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
 ) -> torch.Tensor:
-    """Draw one token for each of `rows` (none greedy); returns [len(rows)] token ids."""
+    """Draw one token for each of `rows` (none greedy); returns [R] token ids."""
     ps = [params[i] for i in rows]
-    device = logits.device
-    temperature = torch.tensor([p.temperature for p in ps], device=device)
+    vocab = logits.shape[1]
+    temperature = torch.tensor([p.temperature for p in ps], device=logits.device)
     x = logits[rows] / temperature[:, None]  # [R, V], a new tensor
-    x = _apply_top_k_top_p(x, ps)
-    x = _apply_min_p(x, ps)
-    noise = _exponential_noise(x, [generators[i] for i in rows])  # [R, V]
-    return (x - noise.log_()).argmax(dim=-1)
+    u = _uniforms([generators[i] for i in rows], logits.device)  # [R]
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)  # [R]
+    truncated = [j for j, p in enumerate(ps) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    whole = [j for j, p in enumerate(ps) if not (0 < p.top_k < vocab or p.top_p < 1.0)]
+    if whole:
+        weights = _min_p_weights(x[whole], [ps[j] for j in whole])  # [W, V]
+        tokens[whole] = _inverse_cdf(weights, u[whole])
+    if truncated:
+        tokens[truncated] = _sample_top_k_top_p(
+            x[truncated], [ps[j] for j in truncated], u[truncated]
+        )
+    return tokens
 
 
-def _apply_top_k_top_p(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
-    """x: [R, V] temperature-scaled. Masks (to -inf) what top-k, then top-p, removes."""
-    vocab = x.shape[1]
-    k = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
-    top_p = [p.top_p for p in ps]
-    rows = [j for j in range(len(ps)) if k[j] < vocab or top_p[j] < 1.0]
-    if not rows:
-        return x
-    sub = x[rows]  # [S, V]
-    k_rows = torch.tensor([k[j] for j in rows], device=x.device)  # [S]
-    kmax = int(k_rows.max())
-    if kmax < vocab:  # every row here has a top-k: sort only the k largest
-        vals, idx = sub.topk(kmax, dim=-1)  # [S, kmax], descending
-    else:
-        vals, idx = sub.sort(dim=-1, descending=True)  # [S, V]
-    rank = torch.arange(vals.shape[1], device=x.device)  # [K]
-    vals = vals.masked_fill(rank[None, :] >= k_rows[:, None], -math.inf)  # top-k by rank
-    p_rows = torch.tensor([top_p[j] for j in rows], device=x.device)  # [S]
-    probs = vals.softmax(dim=-1)  # [S, K]
-    mass_before = probs.cumsum(dim=-1) - probs  # exclusive: the top token always stays
-    vals = vals.masked_fill(mass_before >= p_rows[:, None], -math.inf)
-    kept = torch.full_like(sub, -math.inf).scatter_(1, idx, vals)  # [S, V]
-    x[rows] = kept
-    return x
-
-
-def _apply_min_p(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
-    """x: [R, V]. Keep tokens with p >= min_p * p_max, i.e. logit >= max + log(min_p)."""
-    rows = [j for j, p in enumerate(ps) if p.min_p > 0]
-    if not rows:
-        return x
-    sub = x[rows]  # [S, V]
-    log_min_p = torch.tensor([math.log(ps[j].min_p) for j in rows], device=x.device)
-    threshold = sub.max(dim=-1, keepdim=True).values + log_min_p[:, None]  # [S, 1]
-    x[rows] = sub.masked_fill(sub < threshold, -math.inf)
-    return x
-
-
-def _exponential_noise(x: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """[R, V] iid Exp(1): one batched draw from the global RNG for unseeded rows, the
-    row's own generator for seeded ones. Clamped away from 0 so log() stays finite."""
-    noise = torch.empty_like(x)
-    if any(g is None for g in generators):
-        noise.exponential_()
+def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """[R] uniforms in [0, 1): one batched draw for the unseeded rows, one number from
+    its own generator for each seeded row."""
+    u = torch.empty(len(generators), device=device)
+    unseeded = [j for j, g in enumerate(generators) if g is None]
+    if unseeded:
+        u[unseeded] = torch.rand(len(unseeded), device=device)
     for j, g in enumerate(generators):
         if g is not None:
-            noise[j].exponential_(generator=g)
-    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+            u[j] = torch.rand(1, generator=g, device=device)[0]
+    return u
+
+
+def _min_p_weights(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
+    """x: [S, K] scaled logits, column 0 not necessarily the max. Returns weights
+    w = exp(x - max) = p / p_max, zeroed where w < min_p."""
+    w = (x - x.max(dim=-1, keepdim=True).values).exp_()  # [S, K], max token weight 1
+    if any(p.min_p > 0 for p in ps):
+        min_p = torch.tensor([p.min_p for p in ps], device=x.device)
+        w.masked_fill_(w < min_p[:, None], 0.0)
+    return w
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """weights: [S, K] >= 0, each row with a positive entry; u: [S] in [0, 1).
+    Returns [S] column indices drawn with probability weight / row sum."""
+    cdf = weights.cumsum(dim=-1)  # [S, K]
+    total = cdf[:, -1:]  # [S, 1]
+    # u * total may round up to total; the largest float below it keeps the search
+    # inside the row. cdf[i-1] <= v < cdf[i] means weights[i] > 0.
+    v = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, v, right=True).squeeze(1)
+
+
+def _sample_top_k_top_p(
+    x: torch.Tensor, ps: list[SamplingParams], u: torch.Tensor, full_sort: bool = False
+) -> torch.Tensor:
+    """x: [S, V] scaled logits of rows with a top-k or top-p; u: [S]. Returns [S] ids.
+
+    Works on sorted candidates: vals/idx [S, K], K = the largest k (and at least
+    _TOP_P_CANDIDATES when some row has top-p only), or all V with `full_sort`."""
+    vocab = x.shape[1]
+    k_list = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
+    top_p_only = [j for j, kj in enumerate(k_list) if kj == vocab]
+    n_cand = max((kj for kj in k_list if kj < vocab), default=0)
+    if top_p_only:
+        n_cand = max(n_cand, _TOP_P_CANDIDATES)
+    n_cand = vocab if full_sort else min(n_cand, vocab)
+    vals, idx = x.topk(n_cand, dim=-1)  # [S, K] descending
+    k = torch.tensor(k_list, device=x.device)  # [S]
+    rank = torch.arange(n_cand, device=x.device)  # [K]
+    vals = vals.masked_fill(rank[None, :] >= k[:, None], -math.inf)  # top-k by rank
+
+    # top-p over the distribution after top-k: a top-k row is normalized over its
+    # candidates, a top-p-only row over the whole vocabulary.
+    lse = vals.logsumexp(dim=-1)  # [S]
+    partial = top_p_only if n_cand < vocab else []  # normalized over more than vals
+    if partial:
+        lse[partial] = x[partial].logsumexp(dim=-1)
+    probs = (vals - lse[:, None]).exp()  # [S, K]
+    # A row whose candidates hold less mass than its top_p is cut past them: full sort.
+    mass = probs[partial].sum(dim=-1).tolist() if partial else []
+    short = [j for j, m in zip(partial, mass, strict=True) if m < ps[j].top_p]
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in ps], device=x.device)
+    mass_before = probs.cumsum(dim=-1) - probs  # exclusive: the top token always stays
+    vals = vals.masked_fill(mass_before >= top_p[:, None], -math.inf)
+
+    weights = _min_p_weights(vals, ps)  # [S, K]; vals[:, 0] is the max
+    tokens = idx.gather(1, _inverse_cdf(weights, u)[:, None]).squeeze(1)  # [S]
+    if short:
+        tokens[short] = _sample_top_k_top_p(x[short], [ps[j] for j in short], u[short], True)
+    return tokens
 
 
 def _logprobs(

@@ -210,6 +210,59 @@ def test_top_k_keeps_exactly_k_on_a_larger_vocab() -> None:
     assert support(logits * 0.05, SamplingParams(top_k=5), draws=1000) == top5
 
 
+def reference_kept(row: torch.Tensor, p: SamplingParams) -> set[int]:
+    """The filters as specified, by a full sort: temperature, top-k, top-p over the
+    renormalized top-k, min-p. `row` must have distinct values (no ties)."""
+    vals, order = (row / p.temperature).sort(descending=True)
+    keep = torch.ones(len(vals), dtype=torch.bool)
+    if 0 < p.top_k < len(vals):
+        keep[p.top_k :] = False
+    probs = vals.masked_fill(~keep, -math.inf).softmax(dim=-1)
+    if p.top_p < 1:
+        keep &= probs.cumsum(dim=-1) - probs < p.top_p
+    keep &= (vals - vals[0]).exp() >= p.min_p
+    return set(order[keep].tolist())
+
+
+def plateau_logits(vocab: int, plateau: int, seed: int) -> torch.Tensor:
+    """`plateau` tokens (scattered over the vocabulary) near-uniform, the rest below
+    but together still ~8% of the mass."""
+    g = torch.Generator().manual_seed(seed)
+    row = torch.randn(vocab, generator=g) * 0.1 - 2.0
+    row[torch.randperm(vocab, generator=g)[:plateau]] = torch.linspace(2.0, 1.5, plateau)
+    return row
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(top_p=0.7),
+        SamplingParams(top_p=0.9, min_p=0.7),
+        SamplingParams(temperature=0.7, top_k=150, top_p=0.8),
+        SamplingParams(temperature=1.3, top_k=40),
+    ],
+)
+def test_top_p_on_candidates_matches_the_full_sort(params: SamplingParams) -> None:
+    """Top-p rows look at the top 256 first: exact when those hold top_p of the mass."""
+    row = plateau_logits(1000, plateau=200, seed=9)
+    if params.top_k <= 0:  # top-p only: no fallback, and the rest weighs in the top-p
+        top_256_mass = (row / params.temperature).softmax(-1).topk(256).values.sum()
+        assert params.top_p <= top_256_mass < 0.95
+    kept = reference_kept(row, params)
+    assert 20 < len(kept) < 200  # a real cut, inside the plateau
+    assert support(row, params, draws=4000) == kept
+
+
+def test_top_p_falls_back_to_a_full_sort_when_the_top_256_are_not_enough() -> None:
+    g = torch.Generator().manual_seed(10)
+    row = torch.linspace(1.0, 0.0, 600)[torch.randperm(600, generator=g)]  # near-flat
+    params = SamplingParams(top_p=0.6)
+    assert row.softmax(-1).topk(256).values.sum() < 0.6  # the cut lies past 256
+    kept = reference_kept(row, params)
+    assert len(kept) == 286  # more than the 256 candidates
+    assert support(row, params, draws=8000) == kept
+
+
 # --- repetition penalty -------------------------------------------------------------
 
 

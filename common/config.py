@@ -1,0 +1,94 @@
+"""Engine configuration: small frozen dataclasses, checked where they are built.
+
+Per-role copies (a prefill worker with a bigger token budget, say) are made with
+`dataclasses.replace`, never by mutating a shared instance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+GiB = 1 << 30
+
+
+class ConfigError(ValueError):
+    """A configuration value that can never work; the message names the field."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    The capacity is `num_blocks` when given, else whatever fits in `kv_cache_bytes`
+    (the CPU analogue of vLLM's gpu_memory_utilization); the engine logs the result.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int = 2 * GiB
+    enable_prefix_caching: bool = True
+    # What happens to the newest running sequence when the pool runs dry:
+    # "recompute" frees its blocks and re-prefills it later (the prefix cache helps);
+    # "swap" copies its KV to host memory and back.
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    # Admission keeps this fraction of the pool free, so that running sequences can
+    # grow a few steps before anything has to be preempted (vLLM's watermark).
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_bytes < 1:
+            raise ConfigError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ConfigError(
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How much work one engine step may take on."""
+
+    max_num_seqs: int = 128  # running sequences at once
+    max_num_batched_tokens: int = 2048  # new tokens (prefill + decode) per step
+    # Split long prompts into chunks of the remaining token budget, so one long
+    # prefill does not stall every running decode for a whole step.
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine (one worker, or the offline `LLM`) runs with."""
+
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: str = "cpu"
+    attention_backend: str | None = None  # None: Triton on CUDA, torch on CPU
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_n: int = 16  # largest `n` (parallel samples) a request may ask for
+    max_logprobs: int = 20
+    num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ConfigError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.max_n < 1:
+            raise ConfigError(f"max_n must be >= 1, got {self.max_n}")

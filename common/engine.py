@@ -1,0 +1,474 @@
+"""The engine: one process serving many requests at once over the paged KV cache.
+
+`add_request` validates and queues; each `step` schedules, runs one forward,
+samples, and reports per-request deltas; `abort_request` ends a request at once.
+Every request that ends - finished, aborted, failed - returns every block it
+held in the same call. The engine is single-threaded by design: whoever drives
+it (the offline `LLM`, a worker's loop) calls these methods from one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.common.block_manager import BlockManager
+from pagedserve.common.config import ConfigError, EngineConfig
+from pagedserve.common.detokenizer import IncrementalDetokenizer
+from pagedserve.common.kv_cache import KVCache, num_blocks_for_budget
+from pagedserve.common.loader import LoadedModel, load_model
+from pagedserve.common.model_runner import ModelRunner
+from pagedserve.common.sampler import Sampler, TokenLogprobs, make_generator
+from pagedserve.common.sampling_params import (
+    InvalidRequestError,
+    SamplingParams,
+    validate_prompt,
+)
+from pagedserve.common.scheduler import ScheduledSeq, Scheduler
+from pagedserve.common.sequence import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    SampleDelta,
+    Sequence,
+    SequenceStatus,
+    Usage,
+    make_seq_id,
+)
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for logs and the metrics exporter (plain data, no Prometheus here)."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_blocks: int
+    num_free_blocks: int
+    kv_usage: float  # fraction of blocks held by sequences
+    num_preemptions: int  # total since start: the real capacity alarm
+    prefill_tokens: int  # total prompt tokens computed (cache hits excluded)
+    decode_tokens: int  # total tokens generated
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_steps: int
+    last_step_tokens: int
+    last_step_s: float
+
+
+class HostSwapper:
+    """Keeps preempted sequences' KV in host memory (preemption_mode="swap")."""
+
+    def __init__(self, kv_cache: KVCache) -> None:
+        self.kv_cache = kv_cache
+        self.store: dict[str, torch.Tensor] = {}
+
+    def swap_out(self, seq_id: str, block_ids: list[int]) -> None:
+        self.store[seq_id] = self.kv_cache.read_blocks(block_ids).to("cpu", copy=True)
+
+    def swap_in(self, seq_id: str, block_ids: list[int], first_block: int) -> None:
+        data = self.store.pop(seq_id)
+        if first_block < len(block_ids):
+            dev = self.kv_cache.kv.device
+            self.kv_cache.write_blocks(block_ids[first_block:], data[:, :, first_block:].to(dev))
+
+    def discard(self, seq_id: str) -> None:
+        self.store.pop(seq_id, None)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        dtype = _DTYPES[config.dtype]
+        self.loaded = loaded or load_model(
+            config.model,
+            dtype=dtype,
+            device=config.device,
+            attention_backend=config.attention_backend,
+        )
+        self.model = self.loaded.model
+        self.tokenizer = self.loaded.tokenizer
+        self.spec = spec = self.loaded.spec
+        self.model_id = self.loaded.model_id
+        cc = config.cache
+        num_blocks = cc.num_blocks or num_blocks_for_budget(
+            spec, cc.block_size, dtype, cc.kv_cache_bytes
+        )
+        self.max_model_len = config.scheduler.max_model_len or spec.max_model_len
+        if num_blocks * cc.block_size < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks} blocks x {cc.block_size} tokens = "
+                f"{num_blocks * cc.block_size} tokens, less than max_model_len "
+                f"{self.max_model_len}: raise kv_cache_bytes/num_blocks or lower max_model_len"
+            )
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s)",
+            num_blocks,
+            cc.block_size,
+            num_blocks * cc.block_size,
+            num_blocks * spec.kv_bytes_per_block(cc.block_size, dtype) / 2**20,
+            config.dtype,
+        )
+        self.block_manager = BlockManager(
+            num_blocks, cc.block_size, self.model_id, cc.enable_prefix_caching
+        )
+        self.kv_cache = KVCache(spec, num_blocks, cc.block_size, dtype, config.device)
+        swapper = HostSwapper(self.kv_cache) if cc.preemption_mode == "swap" else None
+        self.scheduler = Scheduler(config.scheduler, cc, self.block_manager, swapper)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager)
+        self.sampler = Sampler()
+        self.eos_token_ids = set(spec.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.requests: dict[str, Request] = {}
+        # Prefill role: sequences whose first token is sampled and whose blocks stay
+        # allocated (under a lease held by the worker) until released.
+        self.held: dict[str, list[Sequence]] = {}
+        # Decode role: sequences whose blocks are allocated while their KV is imported.
+        self.importing: dict[str, list[Sequence]] = {}
+        self.last_step_was_empty = False
+        self._prefill_tokens = 0
+        self._decode_tokens = 0
+        self._num_steps = 0
+        self._last_step_tokens = 0
+        self._last_step_s = 0.0
+
+    # -- requests -------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt).input_ids)
+
+    def apply_chat_template(self, messages: Seq[dict[str, str]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template: send a prompt instead")
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True
+        )
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def add_request(
+        self,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: Seq[int] | None = None,
+        cache_salt: str | None = None,
+        prefill_only: bool = False,
+    ) -> Request:
+        """Validates and queues a request; raises InvalidRequestError before taking any block.
+
+        prefill_only: stop after the first token of every sample and keep the blocks
+        (see `held`); the decode role continues the request elsewhere.
+        """
+        params = params or SamplingParams()
+        if (prompt is None) == (prompt_token_ids is None):
+            raise InvalidRequestError("give exactly one of prompt and prompt_token_ids")
+        request_id = request_id or uuid.uuid4().hex
+        self._check_new_id(request_id)
+        ids = self.tokenize(prompt) if prompt is not None else list(prompt_token_ids or [])
+        self._validate(ids, params)
+        req = Request(request_id, ids, params, cache_salt, prefill_only=prefill_only)
+        seq = self._new_sequence(req, 0, list(ids))
+        self.requests[request_id] = req
+        self.scheduler.add(seq)
+        return req
+
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.requests or request_id in self.held:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        params.validate(
+            vocab_size=self.spec.vocab_size,
+            max_n=self.config.max_n,
+            max_logprobs=self.config.max_logprobs,
+        )
+        validate_prompt(
+            ids,
+            vocab_size=self.spec.vocab_size,
+            max_model_len=self.max_model_len,
+            max_tokens=params.max_tokens,
+        )
+
+    def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop)
+        seq = Sequence(
+            seq_id=make_seq_id(req.request_id, index),
+            request=req,
+            index=index,
+            token_ids=token_ids,
+            detokenizer=detok,
+            generator=make_generator(req.params.seed, index),
+        )
+        req.seqs.append(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Ends a request now; its blocks are back before this returns."""
+        self.release_held(request_id)
+        for seq in self.importing.pop(request_id, []):
+            self.block_manager.free(seq.seq_id)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = FinishReason.ABORT
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT)
+        req.forked = True  # no fork will happen any more
+        return self._collect([req])[0]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ---------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        self.last_step_was_empty = sched.is_empty
+        if sched.is_empty:
+            return []
+        logits, sampled = self.runner.execute(sched)
+        for item in [*sched.prefills, *sched.decodes]:
+            item.seq.num_computed_tokens = item.start + item.num_new_tokens
+            self.block_manager.mark_computed(item.seq.seq_id, item.seq.num_computed_tokens)
+        self._prefill_tokens += sum(i.num_new_tokens for i in sched.prefills)
+        self._decode_tokens += len(sampled)
+        touched = self._sample(logits, sampled)
+        self._num_steps += 1
+        self._last_step_tokens = sched.num_batched_tokens
+        self._last_step_s = time.perf_counter() - t0
+        return self._collect(touched)
+
+    def _sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> list[Request]:
+        # A request with n > 1 prefilled its prompt once as sample 0; now the other
+        # samples fork from it (sharing every block) and draw from the same logits row.
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for row, item in enumerate(sampled):
+            seq = item.seq
+            rows.append(row)
+            seqs.append(seq)
+            req = seq.request
+            if req.params.n > 1 and not req.forked:
+                req.forked = True
+                for index in range(1, req.params.n):
+                    child = self._new_sequence(req, index, list(seq.token_ids))
+                    child.num_computed_tokens = seq.num_computed_tokens
+                    self.block_manager.fork(seq.seq_id, child.seq_id)
+                    self.scheduler.add_running(child)
+                    rows.append(row)
+                    seqs.append(child)
+        if not seqs:
+            return []
+        if len(rows) != len(sampled):
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        out = self.sampler(
+            logits,
+            [s.request.params for s in seqs],
+            [s.generator for s in seqs],
+            [s.output_token_ids for s in seqs],
+            [s.request.prompt_token_ids for s in seqs],
+        )
+        touched: dict[str, Request] = {}
+        for seq, token, lp in zip(seqs, out.token_ids, out.logprobs, strict=True):
+            self._append_token(seq, token, lp)
+            touched[seq.request.request_id] = seq.request
+        return list(touched.values())
+
+    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> None:
+        params = seq.request.params
+        seq.token_ids.append(token)
+        seq.pending_token_ids.append(token)
+        seq.logprobs.append(lp)
+        seq.pending_logprobs.append(lp)
+        assert seq.detokenizer is not None
+        seq.pending_text += seq.detokenizer.add(token)
+        if seq.detokenizer.stop_reason is not None:
+            seq.stop_reason = seq.detokenizer.stop_reason
+            self._finish(seq, FinishReason.STOP)
+        elif token in params.stop_token_ids:
+            seq.stop_reason = token
+            self._finish(seq, FinishReason.STOP)
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            self._finish(seq, FinishReason.EOS)
+        elif (
+            len(seq.output_token_ids) >= params.max_tokens
+            or len(seq.token_ids) >= self.max_model_len
+        ):
+            self._finish(seq, FinishReason.LENGTH)
+        elif seq.request.prefill_only:
+            self._hold(seq)
+
+    def _hold(self, seq: Sequence) -> None:
+        """Prefill role: the sample continues elsewhere; keep its blocks until released."""
+        self.scheduler.hold(seq)
+        self.held.setdefault(seq.request.request_id, []).append(seq)
+
+    def release_held(self, request_id: str) -> int:
+        """Frees the blocks a prefill-only request kept; returns how many sequences."""
+        seqs = self.held.pop(request_id, [])
+        for seq in seqs:
+            self.block_manager.free(seq.seq_id)
+        return len(seqs)
+
+    def held_blocks(self, request_id: str) -> tuple[list[int], list[bytes], int]:
+        """(block table, full-block hashes, tokens with K/V) of a held request's prompt."""
+        seq = self.held[request_id][0]
+        n = seq.num_computed_tokens
+        table = self.block_manager.block_table(seq.seq_id)
+        return (
+            table[: -(-n // self.block_manager.block_size)],
+            self.block_manager.seq_block_hashes(seq.seq_id),
+            n,
+        )
+
+    # -- the decode role: continue a request whose prompt K/V was computed elsewhere ----
+
+    def reserve_import(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        first_tokens: dict[int, int],
+        *,
+        cache_salt: str | None = None,
+        generator_states: dict[int, torch.Tensor] | None = None,
+        cached_tokens: int = 0,
+    ) -> tuple[list[int], int]:
+        """Allocates the prompt's blocks (local prefix hits first) for an import.
+
+        first_tokens maps each sample index still running to its first token, which
+        the prefill role sampled (and already streamed). Returns (block ids to fill,
+        index of the first of them in the block table): the caller writes their K/V,
+        then calls `commit_import`, or `cancel_import` to give everything back.
+        """
+        self._check_new_id(request_id)
+        ids = list(prompt_token_ids)
+        self._validate(ids, params)
+        if not first_tokens:
+            raise InvalidRequestError("an imported request needs at least one running sample")
+        req = Request(request_id, ids, params, cache_salt, forked=True)
+        req.num_cached_tokens = cached_tokens
+        seqs = []
+        for index in sorted(first_tokens):
+            seq = self._new_sequence(req, index, ids + [first_tokens[index]])
+            assert seq.detokenizer is not None
+            seq.detokenizer.add(first_tokens[index])  # its text was streamed by the prefill role
+            if generator_states and index in generator_states and seq.generator is not None:
+                seq.generator.set_state(generator_states[index])
+            seqs.append(seq)
+        head = seqs[0]
+        local = self.block_manager.allocate(head.seq_id, ids, cache_salt)
+        for seq in seqs[1:]:
+            self.block_manager.fork(head.seq_id, seq.seq_id)
+        self.requests[request_id] = req
+        self.importing[request_id] = seqs
+        first = local // self.block_manager.block_size
+        return self.block_manager.block_table(head.seq_id)[first:], first
+
+    def commit_import(self, request_id: str) -> None:
+        """The imported K/V is in place: the samples join the running batch."""
+        seqs = self.importing.pop(request_id)
+        n = seqs[0].request.num_prompt_tokens
+        self.block_manager.mark_computed(seqs[0].seq_id, n)
+        for seq in seqs:
+            seq.num_computed_tokens = n
+            if seq is not seqs[0]:
+                self.block_manager.mark_computed(seq.seq_id, n)
+            self.scheduler.add_running(seq)
+
+    def cancel_import(self, request_id: str, recompute: bool) -> None:
+        """The import failed: recompute the prompt here, or drop the request."""
+        seqs = self.importing.pop(request_id)
+        for seq in seqs:
+            self.block_manager.free(seq.seq_id)
+            if recompute:
+                seq.num_computed_tokens = 0
+                self.scheduler.add(seq)
+        if not recompute:
+            self.abort_request(request_id)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish_reason = reason
+        if reason is not FinishReason.STOP and seq.detokenizer is not None:
+            seq.pending_text += seq.detokenizer.flush()
+        self.scheduler.finish(seq)
+
+    def _collect(self, reqs: list[Request]) -> list[RequestOutput]:
+        outputs = []
+        for req in reqs:
+            samples = []
+            for seq in req.seqs:
+                if seq.finish_reported or not (
+                    seq.pending_token_ids or seq.pending_text or seq.is_finished
+                ):
+                    continue
+                seq.finish_reported = seq.is_finished
+                samples.append(
+                    SampleDelta(
+                        index=seq.index,
+                        token_ids=seq.pending_token_ids,
+                        text=seq.pending_text,
+                        logprobs=seq.pending_logprobs,
+                        finish_reason=seq.finish_reason if seq.is_finished else None,
+                        stop_reason=seq.stop_reason if seq.is_finished else None,
+                    )
+                )
+                seq.pending_token_ids, seq.pending_text, seq.pending_logprobs = [], "", []
+            finished = req.is_finished
+            usage = None
+            if finished:
+                usage = Usage(
+                    prompt_tokens=req.num_prompt_tokens,
+                    completion_tokens=sum(len(s.output_token_ids) for s in req.seqs),
+                    cached_tokens=req.num_cached_tokens,
+                )
+                self.requests.pop(req.request_id, None)
+            outputs.append(RequestOutput(req.request_id, samples, finished, usage))
+        return outputs
+
+    # -- introspection ------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager.stats()
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_swapped=len(self.scheduler.swapped),
+            num_blocks=self.block_manager.num_blocks,
+            num_free_blocks=self.block_manager.num_free_blocks(),
+            kv_usage=self.block_manager.usage(),
+            num_preemptions=self.scheduler.num_preemptions,
+            prefill_tokens=self._prefill_tokens,
+            decode_tokens=self._decode_tokens,
+            prefix_query_tokens=bm.prefix_query_tokens,
+            prefix_hit_tokens=bm.prefix_hit_tokens,
+            num_steps=self._num_steps,
+            last_step_tokens=self._last_step_tokens,
+            last_step_s=self._last_step_s,
+        )
+
+    def check_integrity(self) -> None:
+        """Block manager invariants, plus: every live sequence's blocks are in use."""
+        self.block_manager.check_integrity()
+        for seq in self.scheduler.iter_unfinished():
+            if seq.status is SequenceStatus.RUNNING:
+                assert self.block_manager.has_seq(seq.seq_id), f"{seq.seq_id} runs without blocks"
+        if not (self.requests or self.held or self.importing):
+            assert self.block_manager.usage() == 0.0, "no request in flight, yet blocks in use"

@@ -1,0 +1,167 @@
+"""Runs an engine on a thread of its own, for servers whose handlers run on others.
+
+Every engine call happens on the loop thread, so the engine needs no locks:
+handlers send commands (closures over the engine) through a queue and read their
+request's outputs from a queue of its own. When there is work the loop steps;
+otherwise it sleeps on the command queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import TypeVar
+
+from pagedserve.common.engine import LLMEngine
+from pagedserve.common.sequence import RequestOutput
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineFailure(RuntimeError):
+    """The engine raised while this request was in flight; the request was aborted."""
+
+
+class RequestStream:
+    """The outputs of one request, in order; ends after the output with finished=True."""
+
+    def __init__(self, request_id: str, loop: EngineLoop) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put(item)
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        """Next output; raises queue.Empty on timeout, EngineFailure if the engine failed."""
+        item = self._queue.get(timeout=timeout)
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while not self.finished:
+            yield self.get()
+
+    def cancel(self) -> None:
+        """Aborts the request unless it already finished; its blocks return at once."""
+        if not self.finished:
+            self._loop.abort(self.request_id)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, name: str = "engine-loop") -> None:
+        self.engine = engine
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.step_hooks: list[Callable[[LLMEngine], None]] = []  # run after every step
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout)
+
+    # -- called from any thread ---------------------------------------------------
+
+    def call(self, fn: Callable[[LLMEngine], T], timeout: float | None = 30.0) -> T:
+        """Runs fn(engine) on the loop thread and returns its result (or raises its error)."""
+        fut: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn(self.engine))
+            except BaseException as e:  # handed to the caller
+                fut.set_exception(e)
+
+        self._commands.put(run)
+        return fut.result(timeout)
+
+    def submit(self, request_id: str, add: Callable[[LLMEngine], object]) -> RequestStream:
+        """Runs add(engine) (which must add `request_id`) and returns the request's stream.
+
+        Errors from `add` (InvalidRequestError, say) are raised here, in the caller.
+        """
+        stream = RequestStream(request_id, self)
+
+        def register(engine: LLMEngine) -> None:
+            add(engine)
+            self._streams[request_id] = stream
+
+        self.call(register)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        def run() -> None:
+            out = self.engine.abort_request(request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None and out is not None:
+                stream.put(out)
+
+        self._commands.put(run)
+
+    # -- the loop thread ------------------------------------------------------------
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.05 if block else 0)
+        except queue.Empty:
+            return
+        while True:
+            cmd()
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        idle = True
+        while not self._stop.is_set():
+            self._drain_commands(block=idle or not self.engine.has_unfinished_requests())
+            if not self.engine.has_unfinished_requests():
+                idle = True
+                self._after_step()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # fail what is in flight, keep serving
+                logger.exception("engine step failed; aborting %d requests", len(self._streams))
+                self._fail_all(e)
+                continue
+            # Nothing was runnable (requests waiting on a KV import, say): wait for a command.
+            idle = self.engine.last_step_was_empty
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                stream.put(out)
+                if out.finished:
+                    del self._streams[out.request_id]
+            self._after_step()
+
+    def _after_step(self) -> None:
+        for hook in self.step_hooks:
+            try:
+                hook(self.engine)
+            except Exception:
+                logger.exception("step hook failed")
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort_request(request_id)
+            stream.put(EngineFailure(f"engine step failed: {error}"))
+        self._streams.clear()

@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from builders import make_metadata
+from builders import make_metadata, one_torch_thread  # noqa: F401 (autouse fixture)
 
 from pagedserve.common.attention import get_attention_backend
 from pagedserve.common.attention.torch_backend import TorchAttentionBackend

@@ -14,7 +14,9 @@ import torch
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Register budget of one program: acc [rows, head_dim] and a K/V tile [BLOCK_N, head_dim].
 MAX_HEAD_DIM = 256
-# `tl.dot` on a GPU needs every dimension >= 16: tiles narrower than this are padded.
+# `tl.dot` on a GPU needs the reduction dimension K >= 16 (Triton 3.7's NVIDIA backend pads
+# a small M or N itself; AMD's needs 16 for all three). Every dot dimension here (head_dim,
+# BLOCK_M, BLOCK_N, the decode group rows) is padded to at least this.
 MIN_DOT_DIM = 16
 LOG2_E = 1.4426950408889634
 
@@ -121,6 +123,20 @@ def dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
     fp16/bf16 operands).
     """
     return dtype == torch.bfloat16 and is_interpreter(), "ieee"
+
+
+def default_tile(shape: PagedShape, dtype: torch.dtype) -> int:
+    """Rows/positions per tile: 64, halved for each doubling of a head row past 256 bytes.
+
+    The prefill kernel holds q, K and V tiles in shared memory; 64 x 256 B rows (fp16
+    head_dim 128) need 40 KiB. Larger rows (fp16 head_dim 256, fp32 head_dim >= 128)
+    shrink the tile so every configuration fits the 99 KiB per block of consumer GPUs
+    (sm_86/sm_89); `python -m benchmarks.triton_compile` checks this per architecture.
+    """
+    row_bytes = shape.head_dim_pad * torch.empty((), dtype=dtype).element_size()
+    if row_bytes <= 256:
+        return 64
+    return 32 if row_bytes <= 512 else 16
 
 
 _SM_COUNT: dict[int, int] = {}

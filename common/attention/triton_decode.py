@@ -6,8 +6,9 @@ Each decode sequence has one new query token that attends to its whole context
 Work split (grid = (num_seqs, num_kv_heads, num_splits)):
 - one program per (sequence, KV head, split). All query heads of the KV head's GQA group
   are packed as the rows of one tile, so each K/V element is loaded once per group, not
-  once per query head. The group is padded to a power of two >= 16 (`tl.dot`'s minimum;
-  the default model has 9 q heads over 3 KV heads: group 3 -> 16 rows, 3 live).
+  once per query head. The group is padded to a power of two >= 16 (MIN_DOT_DIM; the
+  default model has 9 q heads over 3 KV heads: group 3 -> 16 rows, 3 live). The spare
+  rows cost tensor-core work only, which a kernel bound by reading K/V has to spare.
 - a split is a contiguous range of `tokens_per_split` context positions (flash-decoding):
   with few sequences the context is cut into splits so that enough programs run to keep
   every SM streaming K/V. Splits are the same for every sequence of the batch, so the
@@ -31,21 +32,23 @@ import triton.language as tl
 from pagedserve.common.attention.triton_common import (
     LOG2_E,
     MIN_DOT_DIM,
+    PagedShape,
     cdiv,
     check_paged_inputs,
+    default_tile,
     dot_settings,
     next_pow2,
     sm_count,
 )
 
-# Positions per loop iteration: 64 x head_dim 64 x 2 B = 8 KiB of K (and of V) per step.
-DEFAULT_BLOCK_N = 64
 # Split only while each split keeps at least this many positions (2 loop iterations):
 # shorter splits spend more on the merge than they win in parallelism.
 MIN_TOKENS_PER_SPLIT = 128
 # Programs wanted in flight per SM before the context is split further.
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 64
+DECODE_NUM_WARPS = 4
+MERGE_NUM_WARPS = 2
 
 
 @triton.jit
@@ -189,6 +192,32 @@ def _merge_splits_kernel(
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+def decode_constexprs(shape: PagedShape, dtype: torch.dtype, block_n: int, split: bool) -> dict:
+    """Compile-time parameters of `_paged_decode_kernel` (also compiled ahead of time by
+    `benchmarks/triton_compile.py`, so that check sees exactly what the launcher picks)."""
+    dot_fp32, dot_precision = dot_settings(dtype)
+    return {
+        "GROUP": shape.group,
+        "GROUP_PAD": max(MIN_DOT_DIM, next_pow2(shape.group)),
+        "HEAD_DIM": shape.head_dim,
+        "HEAD_DIM_PAD": shape.head_dim_pad,
+        "BLOCK_SIZE": shape.block_size,
+        "BLOCK_N": block_n,
+        "SPLIT": split,
+        "DOT_FP32": dot_fp32,
+        "DOT_PRECISION": dot_precision,
+    }
+
+
+def merge_constexprs(shape: PagedShape, num_splits: int) -> dict:
+    """Compile-time parameters of `_merge_splits_kernel`."""
+    return {
+        "HEAD_DIM": shape.head_dim,
+        "HEAD_DIM_PAD": shape.head_dim_pad,
+        "SPLITS_PAD": next_pow2(num_splits),
+    }
+
+
 def choose_num_splits(
     num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device, block_n: int
 ) -> int:
@@ -213,18 +242,21 @@ def paged_decode_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,  # [B, num_q_heads, head_dim]
     num_splits: int | None = None,
-    block_n: int = DEFAULT_BLOCK_N,
+    block_n: int | None = None,
 ) -> torch.Tensor:  # [B, num_q_heads, head_dim]
     """Attention of one query token per sequence over its paged context.
 
     Launch: grid (B, num_kv_heads, num_splits), num_warps 4; constexprs GROUP (q heads per
     KV head) padded to GROUP_PAD = max(16, next_pow2(GROUP)), HEAD_DIM padded to
     max(16, next_pow2(head_dim)), BLOCK_SIZE (cache block), BLOCK_N (positions per step,
-    power of two >= 16). Strides are passed explicitly; only the last (head_dim) stride of
-    the caches must be 1. `max_seq_len` (host int) sizes the splits without a device sync.
+    a power of two >= 16; default `default_tile`). Strides are passed explicitly; only
+    the last (head_dim) stride of the caches must be 1. `max_seq_len` (host int) sizes
+    the splits without a device sync.
     """
     shape = check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     num_seqs = q.shape[0]
+    # Positions per loop step: 64 x head_dim 64 x 2 B = 8 KiB of K (and of V) at fp16.
+    block_n = block_n or default_tile(shape, q.dtype)
     if block_n < MIN_DOT_DIM or block_n != next_pow2(block_n):
         raise ValueError(f"block_n must be a power of two >= {MIN_DOT_DIM}, got {block_n}")
     if out is None:
@@ -255,7 +287,6 @@ def paged_decode_attention(
     else:  # unused by the kernel; any fp32 tensor keeps the signature fixed
         part_out = part_lse = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
 
-    dot_fp32, dot_precision = dot_settings(q.dtype)
     grid = (num_seqs, shape.num_kv_heads, num_splits)
     _paged_decode_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
@@ -267,16 +298,8 @@ def paged_decode_attention(
         out.stride(0), out.stride(1), out.stride(2),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        GROUP=shape.group,
-        GROUP_PAD=max(MIN_DOT_DIM, next_pow2(shape.group)),
-        HEAD_DIM=shape.head_dim,
-        HEAD_DIM_PAD=shape.head_dim_pad,
-        BLOCK_SIZE=shape.block_size,
-        BLOCK_N=block_n,
-        SPLIT=split,
-        DOT_FP32=dot_fp32,
-        DOT_PRECISION=dot_precision,
-        num_warps=4,
+        **decode_constexprs(shape, q.dtype, block_n, split),
+        num_warps=DECODE_NUM_WARPS,
     )  # fmt: skip
     if split:
         _merge_splits_kernel[(num_seqs, shape.num_q_heads)](
@@ -284,9 +307,7 @@ def paged_decode_attention(
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1), out.stride(2),
-            HEAD_DIM=shape.head_dim,
-            HEAD_DIM_PAD=shape.head_dim_pad,
-            SPLITS_PAD=next_pow2(num_splits),
-            num_warps=2,
+            **merge_constexprs(shape, num_splits),
+            num_warps=MERGE_NUM_WARPS,
         )  # fmt: skip
     return out

@@ -31,14 +31,15 @@ import triton.language as tl
 from pagedserve.common.attention.triton_common import (
     LOG2_E,
     MIN_DOT_DIM,
+    PagedShape,
     cdiv,
     check_paged_inputs,
+    default_tile,
     dot_settings,
     next_pow2,
 )
 
-DEFAULT_BLOCK_M = 64  # (token, head) rows per tile
-DEFAULT_BLOCK_N = 64  # context positions per step
+PREFILL_NUM_WARPS = 4
 
 
 @triton.jit
@@ -136,6 +137,22 @@ def _paged_prefill_kernel(
     tl.store(out_ptr + o_off + d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
+def prefill_constexprs(shape: PagedShape, dtype: torch.dtype, block_m: int, block_n: int) -> dict:
+    """Compile-time parameters of `_paged_prefill_kernel` (also compiled ahead of time by
+    `benchmarks/triton_compile.py`, so that check sees exactly what the launcher picks)."""
+    dot_fp32, dot_precision = dot_settings(dtype)
+    return {
+        "GROUP": shape.group,
+        "HEAD_DIM": shape.head_dim,
+        "HEAD_DIM_PAD": shape.head_dim_pad,
+        "BLOCK_SIZE": shape.block_size,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "DOT_FP32": dot_fp32,
+        "DOT_PRECISION": dot_precision,
+    }
+
+
 def paged_prefill_attention(
     q: torch.Tensor,  # [T, num_q_heads, head_dim], prefill tokens of P sequences
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], K/V written
@@ -146,18 +163,21 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,  # [T, num_q_heads, head_dim]
-    block_m: int = DEFAULT_BLOCK_M,
-    block_n: int = DEFAULT_BLOCK_N,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:  # [T, num_q_heads, head_dim]
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     Launch: grid (cdiv(max_query_len * GROUP, BLOCK_M), P, num_kv_heads), num_warps 4;
     constexprs GROUP, HEAD_DIM padded to max(16, next_pow2(head_dim)), BLOCK_SIZE,
-    BLOCK_M and BLOCK_N (powers of two >= 16). Strides are passed explicitly; only the
-    last (head_dim) stride of the caches must be 1. `max_query_len` (host int, the
-    longest q_len among these P sequences) sizes the grid without a device sync.
+    BLOCK_M and BLOCK_N (powers of two >= 16; default `default_tile`). Strides are passed
+    explicitly; only the last (head_dim) stride of the caches must be 1. `max_query_len`
+    (host int, the longest q_len among these P sequences) sizes the grid without a
+    device sync.
     """
     shape = check_paged_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    block_m = block_m or default_tile(shape, q.dtype)  # (token, head) rows per tile
+    block_n = block_n or default_tile(shape, q.dtype)  # context positions per step
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value < MIN_DOT_DIM or value != next_pow2(value):
             raise ValueError(f"{name} must be a power of two >= {MIN_DOT_DIM}, got {value}")
@@ -173,7 +193,6 @@ def paged_prefill_attention(
     if num_prefills == 0 or max_query_len == 0:
         return out
 
-    dot_fp32, dot_precision = dot_settings(q.dtype)
     grid = (cdiv(max_query_len * shape.group, block_m), num_prefills, shape.num_kv_heads)
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
@@ -183,14 +202,7 @@ def paged_prefill_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
-        GROUP=shape.group,
-        HEAD_DIM=shape.head_dim,
-        HEAD_DIM_PAD=shape.head_dim_pad,
-        BLOCK_SIZE=shape.block_size,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        DOT_FP32=dot_fp32,
-        DOT_PRECISION=dot_precision,
-        num_warps=4,
+        **prefill_constexprs(shape, q.dtype, block_m, block_n),
+        num_warps=PREFILL_NUM_WARPS,
     )  # fmt: skip
     return out

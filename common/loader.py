@@ -115,6 +115,7 @@ def ensure_default_checkpoint(progress: Callable[[str], None] | None = None) -> 
     )
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}.tmp-", dir=dest.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is readable like any other
     try:
         _convert_gguf(gguf, tmp)
         (tmp / _SOURCE_MARKER).write_text(json.dumps(marker))

@@ -1,0 +1,298 @@
+"""KV transfer throughput: a request's blocks through each transport, next to baselines.
+
+    python -m benchmarks.kvtransfer [--tokens 16 64 256 1024 2048] [--repeats 7] [--json PATH]
+
+The default model's KV layout (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, fp16,
+16-token blocks: 360 KiB per block), for prompts of 16 to 2048 tokens. Every transfer
+goes from randomly placed blocks of one cache into randomly placed blocks of another
+(`CacheSink`), checksums on, 1 MiB chunks. Measured in one run:
+
+- memcpy:   `clone()` of a contiguous tensor of the same bytes (the baseline for shm).
+- shm:      export (gather into a /dev/shm segment + CRC) + pull (map, verify, scatter
+            into the destination cache) + release, all in this process. The columns
+            `export` and `pull` split it.
+- raw grpc: a bare streaming RPC sending pre-built bytes messages of the same sizes as
+            the transport's KVChunk messages, received and dropped (the baseline for grpc).
+- grpc:     `GrpcTransport.pull_into` from an exporter in another process (its own
+            cache, KVSource staged privately, KVTransfer servicer): frame, send, unframe,
+            verify, scatter. The export is done before timing (its cost is `export`).
+
+Ratios: shm / memcpy (target >= 50%) and grpc / raw grpc (target >= 80%). Throughput is
+payload bytes over the median time of `--repeats` runs after one warm-up. Both
+processes run torch with `--threads` threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import struct
+import time
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import asdict, dataclass
+
+import grpc
+import torch
+
+from pagedserve.kvtransfer.handle import ExportedKV
+from pagedserve.kvtransfer.sinks import CacheSink
+from pagedserve.kvtransfer.source import KVSource, add_kvtransfer_service
+from pagedserve.kvtransfer.transport import GrpcTransport, ShmTransport
+from pagedserve.kvtransfer.wire import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    frame_kvchunk,
+    header_size,
+    plan_chunks,
+)
+
+# The default model (DESIGN.md): KV per token = 2 x 30 x 3 x 64 x 2 B = 22.5 KiB.
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 30, 3, 64, 16, torch.float16
+TOKENS = (16, 64, 256, 1024, 2048)
+CACHE_BLOCKS = 160  # per cache: room for the largest request (128 blocks) plus spares
+BENCH_SERVICE = "pagedserve.bench.KVTransferBench"
+
+
+def new_cache(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    shape = (NUM_LAYERS, 2, CACHE_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    return torch.randn(shape, generator=g).to(DTYPE)
+
+
+def random_blocks(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(CACHE_BLOCKS, generator=g)[:n].tolist()
+
+
+def message_sizes(num_blocks: int, chunk_bytes: int) -> list[int]:
+    """Sizes of the framed KVChunk messages the transport sends for `num_blocks`."""
+    unit = BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    hsize = header_size("", num_blocks)
+    plan = plan_chunks(NUM_LAYERS * 2 * num_blocks, unit, chunk_bytes)
+    return [len(frame_kvchunk(b"\0" * hsize, b"\0" * count * unit)) for _, count in plan]
+
+
+# ------------------------------------------------------------------ exporter process
+
+
+def _exporter_main(conn, threads: int, chunk_bytes: int) -> None:
+    """A worker-like process: a cache, a KVSource, KVTransfer + raw stream + export RPCs."""
+    torch.set_num_threads(threads)
+    kv = new_cache(seed=1)
+    source = KVSource(use_shm=False, max_chunk_bytes=chunk_bytes)
+    messages: dict[int, bytes] = {}
+
+    def export(request: bytes, context) -> bytes:
+        (n,) = struct.unpack("<I", request)
+        handle = source.export(kv, random_blocks(n, seed=n), num_tokens=n * BLOCK_SIZE)
+        return handle.to_proto().SerializeToString()
+
+    def release(request: bytes, context) -> bytes:
+        return b"\x01" if source.release(request.decode()) else b"\x00"
+
+    def raw_stream(request: bytes, context):
+        sizes = struct.unpack(f"<{len(request) // 4}I", request)
+        for size in sizes:
+            if size not in messages:
+                messages[size] = bytes(size)
+            yield messages[size]
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    add_kvtransfer_service(server, source)
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                BENCH_SERVICE,
+                {
+                    "Export": grpc.unary_unary_rpc_method_handler(export),
+                    "Release": grpc.unary_unary_rpc_method_handler(release),
+                    "RawStream": grpc.unary_stream_rpc_method_handler(raw_stream),
+                },
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    source.transfer_address = f"127.0.0.1:{port}"
+    server.start()
+    conn.send(port)
+    conn.recv()  # until the parent says stop
+    server.stop(0)
+    source.close()
+
+
+# ------------------------------------------------------------------ measurements
+
+
+@dataclass
+class Row:
+    tokens: int
+    blocks: int
+    bytes: int
+    memcpy_gbps: float
+    shm_gbps: float
+    shm_export_gbps: float
+    shm_pull_gbps: float
+    raw_grpc_gbps: float
+    grpc_gbps: float
+    shm_vs_memcpy: float
+    grpc_vs_raw: float
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(tokens: int, repeats: int, chunk_bytes: int, channel, port: int) -> Row:
+    n = -(-tokens // BLOCK_SIZE)
+    src, dst = new_cache(seed=2), torch.zeros_like(new_cache(seed=2))
+    src_ids, dst_ids = random_blocks(n, seed=3), random_blocks(n, seed=4)
+    nbytes = NUM_LAYERS * 2 * n * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    flat = src[:, :, :n].contiguous()
+
+    t_memcpy = median_time(flat.clone, repeats)
+
+    # shm: export + pull + release, and each phase on its own.
+    shm = ShmTransport()
+    sink = CacheSink(dst, dst_ids)
+    with KVSource(max_chunk_bytes=chunk_bytes) as source:
+        phases: dict[str, list[float]] = {"export": [], "pull": [], "total": []}
+
+        def move() -> None:
+            t0 = time.perf_counter()
+            handle = source.export(src, src_ids, num_tokens=tokens)
+            t1 = time.perf_counter()
+            shm.pull_into(handle, sink)
+            t2 = time.perf_counter()
+            source.release(handle.lease_id)
+            t3 = time.perf_counter()
+            phases["export"].append(t1 - t0)
+            phases["pull"].append(t2 - t1)
+            phases["total"].append(t3 - t0)
+
+        move()  # warm-up
+        phases = {k: [] for k in phases}
+        for _ in range(repeats):
+            move()
+    assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids]), "shm transfer corrupted data"
+    t_shm, t_export, t_pull = (statistics.median(phases[k]) for k in ("total", "export", "pull"))
+
+    # grpc: the exporter process holds the blocks; pull them repeatedly from one lease.
+    export = channel.unary_unary(f"/{BENCH_SERVICE}/Export")
+    raw = channel.unary_stream(f"/{BENCH_SERVICE}/RawStream")
+    from pagedserve.v1 import kvtransfer_pb2
+
+    handle = ExportedKV.from_proto(kvtransfer_pb2.KVHandle.FromString(export(struct.pack("<I", n))))
+    grpc_transport = GrpcTransport(max_chunk_bytes=chunk_bytes)
+    dst.zero_()
+    t_grpc = median_time(lambda: grpc_transport.pull_into(handle, sink), repeats)
+    remote = new_cache(seed=1)[:, :, list(handle.block_ids)]
+    assert torch.equal(dst[:, :, dst_ids], remote), "grpc transfer corrupted data"
+    channel.unary_unary(f"/{BENCH_SERVICE}/Release")(handle.lease_id.encode())
+    grpc_transport.close()
+
+    sizes = message_sizes(n, chunk_bytes)
+    request = struct.pack(f"<{len(sizes)}I", *sizes)
+    t_raw = median_time(lambda: sum(len(m) for m in raw(request)), repeats)
+
+    gbps = lambda t: nbytes / t / 1e9  # noqa: E731
+    return Row(
+        tokens=tokens,
+        blocks=n,
+        bytes=nbytes,
+        memcpy_gbps=gbps(t_memcpy),
+        shm_gbps=gbps(t_shm),
+        shm_export_gbps=gbps(t_export),
+        shm_pull_gbps=gbps(t_pull),
+        raw_grpc_gbps=gbps(t_raw),
+        grpc_gbps=gbps(t_grpc),
+        shm_vs_memcpy=t_memcpy / t_shm,
+        grpc_vs_raw=t_raw / t_grpc,
+    )
+
+
+def print_table(rows: list[Row]) -> None:
+    head = (
+        f"{'tokens':>6} {'blocks':>6} {'MiB':>7} | {'memcpy':>7} {'shm':>7} {'export':>7} "
+        f"{'pull':>7} {'shm/mem':>7} | {'raw grpc':>8} {'grpc':>7} {'grpc/raw':>8}"
+    )
+    print("throughput in GB/s (payload bytes / median time)")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r.tokens:>6} {r.blocks:>6} {r.bytes / 2**20:>7.2f} | {r.memcpy_gbps:>7.2f} "
+            f"{r.shm_gbps:>7.2f} {r.shm_export_gbps:>7.2f} {r.shm_pull_gbps:>7.2f} "
+            f"{r.shm_vs_memcpy:>7.0%} | {r.raw_grpc_gbps:>8.2f} {r.grpc_gbps:>7.2f} "
+            f"{r.grpc_vs_raw:>8.0%}"
+        )
+    big = [r for r in rows if r.tokens >= 256] or rows
+    shm = statistics.median(r.shm_vs_memcpy for r in big)
+    grpc_ratio = statistics.median(r.grpc_vs_raw for r in big)
+    print(
+        f"median over >= 256 tokens: shm/memcpy {shm:.0%} (target >= 50%), "
+        f"grpc/raw grpc {grpc_ratio:.0%} (target >= 80%)"
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--chunk-bytes", type=int, default=DEFAULT_MAX_CHUNK_BYTES)
+    p.add_argument("--threads", type=int, default=1, help="torch threads in each process")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_exporter_main, args=(child, args.threads, args.chunk_bytes))
+    proc.start()
+    try:
+        port = parent.recv()
+        channel = grpc.insecure_channel(
+            f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)]
+        )
+        rows = [measure(t, args.repeats, args.chunk_bytes, channel, port) for t in args.tokens]
+        channel.close()
+    finally:
+        parent.send("stop")
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.terminate()
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "benchmark": "kvtransfer",
+                    "config": {k: v for k, v in vars(args).items() if k != "json"},
+                    "layout": {
+                        "num_layers": NUM_LAYERS,
+                        "num_kv_heads": NUM_KV_HEADS,
+                        "head_dim": HEAD_DIM,
+                        "block_size": BLOCK_SIZE,
+                        "dtype": str(DTYPE),
+                    },
+                    "rows": [asdict(r) for r in rows],
+                },
+                f,
+                indent=2,
+            )
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

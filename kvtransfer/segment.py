@@ -1,0 +1,195 @@
+"""A staged block set in one buffer: the chunk headers, then the raw payload.
+
+The exporter stages every exported block set in this layout, in a /dev/shm file
+(pullers on the same host map it) or in private memory (served over gRPC only):
+
+    [0, 256)                     segment header (_SEGMENT): magic "PSKVSEG1", version,
+                                 chunk count, table length, payload offset/length, total
+                                 length, the lease id
+    [256, 256 + table_len)       the chunks' wire headers (wire.py), back to back, each
+                                 sealed with its chunk's checksum
+    [payload_offset, +len)       payload [L, 2, n, block_size, kvh, head_dim], page aligned;
+                                 chunk i's payload is its units' byte range in it
+    [total, capacity)            unused (a reused segment may be larger than needed)
+
+so the segment holds exactly the chunks a full pull streams, checksums included, and
+a same-host puller verifies and copies them without the exporter doing anything.
+
+Files are named `pagedserve-kv-<pid>-<lease id>` while they hold a lease and
+`pagedserve-kv-<pid>-pool-<k>` while they wait in the exporter's pool for reuse; the
+pid lets `remove_stale_segments` find the segments of exporters that died without
+cleaning up. A segment gets its lease's name only once complete (written under a
+`.tmp` or pool name, then renamed), so a puller never maps a half-written one. A
+rewrite starts by zeroing the segment header, so a puller that compares the header
+before and after its copy detects a segment reused under it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedserve.kvtransfer.wire import (
+    ChunkHeader,
+    KVTransferError,
+    decode_header,
+    header_length,
+    payload_range,
+)
+
+SEGMENT_MAGIC = b"PSKVSEG1"
+SEGMENT_VERSION = 1
+SEGMENT_HEADER_BYTES = 256
+MAX_LEASE_ID_BYTES = 128
+PAGE = 4096
+SHM_DIR = Path("/dev/shm")
+SEGMENT_PREFIX = "pagedserve-kv-"
+_SEGMENT = struct.Struct("<8sHHIQQQQH")  # ... then the lease id (<= 128 bytes)
+_NAME = re.compile(rf"^{SEGMENT_PREFIX}(\d+)-[A-Za-z0-9_.-]+(\.tmp)?$")
+
+
+def segment_name(pid: int, lease_id: str) -> str:
+    return f"{SEGMENT_PREFIX}{pid}-{lease_id}"
+
+
+@dataclass(frozen=True)
+class SegmentLayout:
+    """Byte offsets of a segment holding `num_chunks` headers of `header_len` bytes."""
+
+    num_chunks: int
+    table_len: int
+    payload_offset: int
+    payload_len: int
+
+    @classmethod
+    def plan(cls, header_len: int, num_chunks: int, payload_len: int) -> SegmentLayout:
+        table_len = header_len * num_chunks
+        payload_offset = -(-(SEGMENT_HEADER_BYTES + table_len) // PAGE) * PAGE
+        return cls(num_chunks, table_len, payload_offset, payload_len)
+
+    @property
+    def total_len(self) -> int:
+        return self.payload_offset + self.payload_len
+
+    def pack(self, lease_id: str) -> bytes:
+        lid = lease_id.encode()
+        if len(lid) > MAX_LEASE_ID_BYTES:
+            raise ValueError(f"lease id is {len(lid)} bytes, at most {MAX_LEASE_ID_BYTES}")
+        fixed = _SEGMENT.pack(
+            SEGMENT_MAGIC, SEGMENT_VERSION, 0, self.num_chunks, self.table_len,
+            self.payload_offset, self.payload_len, self.total_len, len(lid),
+        )  # fmt: skip
+        return (fixed + lid).ljust(SEGMENT_HEADER_BYTES, b"\0")
+
+
+@dataclass
+class SegmentView:
+    """A parsed segment: its lease, each chunk's header (parsed and raw) and payload bytes."""
+
+    layout: SegmentLayout
+    lease_id: str
+    headers: list[tuple[ChunkHeader, memoryview]]
+    payload: memoryview
+    header_bytes: bytes  # a copy of the segment header as parsed (see `unchanged`)
+    _buf: memoryview
+
+    def chunk_payload(self, h: ChunkHeader) -> memoryview:
+        return self.payload[payload_range(h)]
+
+    def unchanged(self) -> bool:
+        """False when the segment was rewritten (reused) since it was parsed."""
+        return bytes(self._buf[:SEGMENT_HEADER_BYTES]) == self.header_bytes
+
+
+def parse_segment(buf: memoryview) -> SegmentView:
+    """Parse a segment; KVTransferError when it is malformed, truncated or being written."""
+    if len(buf) < SEGMENT_HEADER_BYTES:
+        raise KVTransferError(f"KV segment truncated: {len(buf)} bytes")
+    header_bytes = bytes(buf[:SEGMENT_HEADER_BYTES])
+    magic, version, _, num_chunks, table_len, payload_offset, payload_len, total, lid_len = (
+        _SEGMENT.unpack_from(header_bytes)
+    )
+    if magic != SEGMENT_MAGIC or version != SEGMENT_VERSION:
+        raise KVTransferError(f"not a complete KV segment (magic {magic!r}, version {version})")
+    if total > len(buf) or payload_offset + payload_len != total or lid_len > MAX_LEASE_ID_BYTES:
+        raise KVTransferError(f"KV segment is {len(buf)} bytes, its header says {total}")
+    lease_id = header_bytes[_SEGMENT.size : _SEGMENT.size + lid_len].decode(errors="replace")
+    layout = SegmentLayout(num_chunks, table_len, payload_offset, payload_len)
+    headers, pos = [], SEGMENT_HEADER_BYTES
+    for _ in range(num_chunks):
+        n = header_length(buf[pos:])
+        raw = buf[pos : pos + n]
+        headers.append((decode_header(raw), raw))
+        pos += n
+    if pos != SEGMENT_HEADER_BYTES + table_len:
+        raise KVTransferError("KV segment's chunk table does not match its length")
+    return SegmentView(layout, lease_id, headers, buf[payload_offset:total], header_bytes, buf)
+
+
+def create_shm(path: Path, size: int) -> mmap.mmap:
+    """A new read-write shared mapping of `size` bytes backed by file `path` (must not exist).
+
+    MAP_POPULATE faults every page in at once: far cheaper than one fault per 4 KiB
+    page while the payload is written.
+    """
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def open_shm(path: Path) -> mmap.mmap:
+    """Map an existing segment read-only (FileNotFoundError if it is gone)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            raise KVTransferError(f"KV segment {path} is empty")
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def list_segments(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Names of every pagedserve KV segment in `shm_dir` (complete or being written)."""
+    try:
+        return sorted(p.name for p in shm_dir.iterdir() if _NAME.match(p.name))
+    except FileNotFoundError:
+        return []
+
+
+def remove_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink segments whose exporter process is gone; returns their names."""
+    removed = []
+    for name in list_segments(shm_dir):
+        pid = int(_NAME.match(name).group(1))
+        if _alive(pid):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            (shm_dir / name).unlink()
+            removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,500 @@
+"""The sending side: block sets exported under leases, and the gRPC service serving them.
+
+A worker that computed a prompt's KV calls `KVSource.export(kv, block_ids, ...)`. The
+blocks are copied once into a staged segment (segment.py: chunk headers with their
+checksums, then the payload), in /dev/shm when `use_shm` (same-host pullers map it) or
+in private memory. From then on the segment is independent of the cache: the worker
+may keep the blocks (prefix cache) or free them; the lease only holds the segment.
+For a cache on a GPU this copy is the device-to-host copy any transfer needs.
+
+The copy is done chunk by chunk, each chunk's CRC computed on a helper thread while
+the next chunk is gathered (both release the GIL), so exporting costs about one copy.
+
+A lease ends by `release` (the puller is done), by expiry (`expire()`, called from the
+worker's loop; `get` also refuses an expired lease), or by `close`. Its segment is
+then renamed out of the lease's name (a late puller finds nothing) and kept, mapped
+and paged in, in a pool of at most `pool_bytes` for the next export: creating,
+faulting in and freeing tens of MiB of /dev/shm per request cost more than the copy
+itself. Segments beyond the pool are unlinked. An expired lease's segment is reused
+only after `reuse_grace_s`, in case a slow puller still reads it (and a puller checks
+the segment header after copying, see segment.py). Segments of an exporter that dies
+without closing are found by `segment.remove_stale_segments` (the name carries the
+pid); an exporter unlinks its own segments at interpreter exit.
+
+`add_kvtransfer_service(server, source)` registers `pagedserve.v1.KVTransfer` on a
+gRPC server (sync, or grpc.aio with a migration thread pool: the handler is a plain
+generator).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from pagedserve.kvtransfer.handle import ExportedKV, KVLayout, local_host_id
+from pagedserve.kvtransfer.segment import (
+    SEGMENT_HEADER_BYTES,
+    SHM_DIR,
+    SegmentLayout,
+    SegmentView,
+    create_shm,
+    parse_segment,
+    segment_name,
+)
+from pagedserve.kvtransfer.sinks import spans
+from pagedserve.kvtransfer.wire import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    ChunkHeader,
+    LeaseNotFoundError,
+    checksum_executor,
+    chunk_headers,
+    encode_chunks,
+    encode_header,
+    frame_kvchunk,
+    header_size,
+    payload_range,
+    plan_chunks,
+    seal,
+    tensor_view,
+)
+from pagedserve.v1 import kvtransfer_pb2
+
+_LEASE_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+SERVICE_NAME = "pagedserve.v1.KVTransfer"
+_MIB = 1 << 20
+
+
+@dataclass
+class _Buffer:
+    """Staging memory: a mapped /dev/shm file, or private memory. Reused via the pool."""
+
+    flat: memoryview  # writable bytes, `capacity` long
+    capacity: int
+    path: Path | None  # the file's current name; None for private memory
+    keepalive: object  # the mmap or tensor behind `flat`
+    generation: int = 0  # bumped on every reuse
+    reusable_at: float = 0.0  # on the source's clock
+
+
+@dataclass
+class StagedBlocks:
+    """One exported block set: its handle and its staged segment."""
+
+    handle: ExportedKV
+    segment: SegmentView
+    payload: torch.Tensor  # [L, 2, n, block_size, kvh, head_dim], a view of the segment
+    expires_at: float  # on the source's clock
+    max_chunk_bytes: int  # chunk size the segment was cut with
+    buffer: _Buffer
+    generation: int  # buffer.generation while this lease owns it
+
+    @property
+    def path(self) -> Path | None:
+        return self.buffer.path
+
+    def valid(self) -> bool:
+        """False once the buffer was handed to another lease."""
+        return self.buffer.generation == self.generation
+
+    def chunks(
+        self,
+        block_ids: Sequence[int] | None = None,
+        layers: tuple[int, int] | None = None,
+        max_chunk_bytes: int | None = None,
+    ) -> Iterator[tuple[memoryview | bytes, memoryview]]:
+        """(header, payload) of each chunk of the requested part; ValueError if invalid.
+
+        The whole set in the staged chunk size is served from the segment as is
+        (checksums computed at export); any other request gathers its blocks and
+        layers into a new contiguous tensor and seals fresh chunks over it.
+        """
+        lay = self.handle.layout
+        ids = self.handle.block_ids if not block_ids else tuple(block_ids)
+        l0, l1 = layers if layers is not None else (0, lay.num_layers)
+        if not 0 <= l0 < l1 <= lay.num_layers:
+            raise ValueError(
+                f"layer range [{l0}, {l1}) outside the model's {lay.num_layers} layers"
+            )
+        chunk = max_chunk_bytes or self.max_chunk_bytes
+        plan_chunks(1, self.payload[0, 0, 0].numel() * self.payload.element_size(), chunk)
+        whole = ids == self.handle.block_ids and (l0, l1) == (0, lay.num_layers)
+        if whole and chunk == self.max_chunk_bytes:
+            return ((raw, self.segment.chunk_payload(h)) for h, raw in self.segment.headers)
+        pos = torch.tensor(positions_of(self.handle.block_ids, ids), dtype=torch.long)
+        sub = self.payload[l0:l1].index_select(2, pos)  # [l1 - l0, 2, len(ids), bs, kvh, d]
+        encoded = encode_chunks(
+            sub, block_ids=ids, num_tokens=self.handle.num_tokens, request_id=self.handle.request_id,
+            layer_start=l0, num_layers=lay.num_layers, max_chunk_bytes=chunk,
+        )  # fmt: skip
+        return ((c.header_bytes, c.payload) for c in encoded)
+
+
+def positions_of(all_ids: Sequence[int], wanted: Sequence[int]) -> list[int]:
+    """Index of each wanted block id in `all_ids`; ValueError naming unknown/duplicate ids."""
+    index = {b: i for i, b in enumerate(all_ids)}
+    unknown = [b for b in wanted if b not in index]
+    if unknown:
+        raise ValueError(f"block ids {unknown} are not in the lease (it holds {list(all_ids)})")
+    if len(set(wanted)) != len(wanted):
+        raise ValueError(f"duplicate block ids in {list(wanted)}")
+    return [index[b] for b in wanted]
+
+
+class KVSource:
+    """Exports block sets under leases and serves them until released or expired."""
+
+    def __init__(
+        self,
+        *,
+        host_id: str | None = None,
+        transfer_address: str = "",
+        use_shm: bool = True,
+        shm_dir: Path = SHM_DIR,
+        default_ttl_s: float = 30.0,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        pool_bytes: int = 256 * _MIB,
+        reuse_grace_s: float = 5.0,
+        on_expire: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if default_ttl_s <= 0:
+            raise ValueError(f"default_ttl_s must be > 0, got {default_ttl_s}")
+        if pool_bytes < 0 or reuse_grace_s < 0:
+            raise ValueError(
+                f"pool_bytes and reuse_grace_s must be >= 0, got {pool_bytes}, {reuse_grace_s}"
+            )
+        plan_chunks(1, 1, max_chunk_bytes)  # validates the chunk size
+        self.host_id = host_id or local_host_id()
+        self.transfer_address = transfer_address
+        self.use_shm = use_shm
+        self.shm_dir = Path(shm_dir)
+        self.default_ttl_s = default_ttl_s
+        self.max_chunk_bytes = max_chunk_bytes
+        self.pool_bytes = pool_bytes
+        self.reuse_grace_s = reuse_grace_s
+        self.on_expire = on_expire
+        self.clock = clock
+        self.expired_total = 0
+        self._leases: dict[str, StagedBlocks] = {}
+        self._pool: list[_Buffer] = []
+        self._lock = threading.Lock()
+        self._names = itertools.count()
+        self._paths: set[Path] = set()  # every file we own, unlinked if we are never closed
+        self._finalizer = weakref.finalize(self, _unlink_all, self._paths)
+
+    # -- exporting ------------------------------------------------------------------------
+
+    def export(
+        self,
+        kv: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, kvh, head_dim]
+        block_ids: Sequence[int],
+        *,
+        num_tokens: int,
+        request_id: str = "",
+        lease_id: str | None = None,
+        ttl_s: float | None = None,
+    ) -> ExportedKV:
+        """Stage blocks `block_ids` of cache `kv` under a new lease; returns its handle.
+
+        `block_ids` hold the prompt in order, so `num_tokens` must fill the last one
+        partly or fully: (n - 1) * block_size < num_tokens <= n * block_size.
+        """
+        lease_id = lease_id or uuid.uuid4().hex
+        if not _LEASE_ID.match(lease_id):
+            raise ValueError(f"lease id {lease_id!r} must match {_LEASE_ID.pattern}")
+        ttl = self.default_ttl_s if ttl_s is None else ttl_s
+        if ttl <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl}")
+        layout = KVLayout.of_cache(kv)
+        ids = tuple(int(b) for b in block_ids)
+        bad = [b for b in ids if not 0 <= b < kv.shape[2]]
+        if not ids or bad or len(set(ids)) != len(ids):
+            raise ValueError(
+                f"block ids must be distinct ids in [0, {kv.shape[2]}), at least one; got {list(ids)}"
+            )
+        bs = layout.block_size
+        if not (len(ids) - 1) * bs < num_tokens <= len(ids) * bs:
+            raise ValueError(
+                f"num_tokens {num_tokens} does not fill {len(ids)} blocks of {bs} tokens "
+                f"(expected {(len(ids) - 1) * bs + 1}..{len(ids) * bs})"
+            )
+        with self._lock:
+            if lease_id in self._leases:
+                raise ValueError(f"lease {lease_id!r} is already open")
+        staged = self._stage(kv, layout, ids, num_tokens, request_id, lease_id, ttl)
+        with self._lock:
+            self._leases[lease_id] = staged
+        return staged.handle
+
+    def _stage(self, kv, layout, ids, num_tokens, request_id, lease_id, ttl) -> StagedBlocks:
+        headers = chunk_headers(
+            request_id=request_id, dtype=kv.dtype, num_layers=layout.num_layers, layer_start=0,
+            layer_end=layout.num_layers, block_size=layout.block_size, num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim, block_ids=ids, num_tokens=num_tokens,
+            max_chunk_bytes=self.max_chunk_bytes,
+        )  # fmt: skip
+        payload_len = headers[0].num_units * headers[0].unit_bytes
+        seg = SegmentLayout.plan(header_size(request_id, len(ids)), len(headers), payload_len)
+        buf = self._take_buffer(seg.total_len)
+        try:
+            flat = buf.flat
+            flat[:SEGMENT_HEADER_BYTES] = bytes(SEGMENT_HEADER_BYTES)  # "being written"
+            shape = (layout.num_layers, 2, len(ids), *layout.unit_shape)
+            payload = tensor_view(flat[seg.payload_offset : seg.total_len], kv.dtype, shape)
+            sealed = _gather_and_seal(
+                kv, ids, payload, flat[seg.payload_offset : seg.total_len], headers
+            )
+            table = SEGMENT_HEADER_BYTES
+            for header_bytes in sealed:
+                flat[table : table + len(header_bytes)] = header_bytes
+                table += len(header_bytes)
+            flat[:SEGMENT_HEADER_BYTES] = seg.pack(lease_id)
+            segment = parse_segment(flat)
+            if buf.path is not None:  # now complete: give it the lease's name
+                self._rename(buf, self.shm_dir / segment_name(os.getpid(), lease_id))
+        except BaseException:
+            self._discard(buf)
+            raise
+        handle = ExportedKV(
+            lease_id=lease_id,
+            request_id=request_id,
+            host_id=self.host_id,
+            transfer_address=self.transfer_address,
+            shm_name=buf.path.name if buf.path is not None else "",
+            block_ids=ids,
+            num_tokens=num_tokens,
+            layout=layout,
+            expires_unix_ms=int((time.time() + ttl) * 1000),
+        )
+        expires_at = self.clock() + ttl
+        return StagedBlocks(
+            handle, segment, payload, expires_at, self.max_chunk_bytes, buf, buf.generation
+        )
+
+    # -- staging buffers ------------------------------------------------------------------
+
+    def _take_buffer(self, size: int) -> _Buffer:
+        """A pooled buffer that fits (at most 2x, or +1 MiB, too big), else a new one."""
+        now = self.clock()
+        with self._lock:
+            fits = [
+                b
+                for b in self._pool
+                if size <= b.capacity <= max(2 * size, size + _MIB) and b.reusable_at <= now
+            ]
+            if fits:
+                buf = min(fits, key=lambda b: b.capacity)
+                self._pool.remove(buf)
+                buf.generation += 1
+                return buf
+        capacity = -(-size // _MIB) * _MIB
+        if not self.use_shm:
+            tensor = torch.empty(capacity, dtype=torch.uint8)
+            return _Buffer(memoryview(tensor.numpy()), capacity, None, tensor)
+        path = self._pool_path()
+        self._paths.add(path)
+        try:
+            mapping = create_shm(path, capacity)
+        except BaseException:
+            self._paths.discard(path)
+            raise
+        return _Buffer(memoryview(mapping), capacity, path, mapping)
+
+    def _pool_path(self) -> Path:
+        return self.shm_dir / segment_name(os.getpid(), f"pool-{next(self._names)}")
+
+    def _recycle(self, buf: _Buffer, delay: float) -> None:
+        """Return a lease's buffer to the pool (caller holds the lock), or free it."""
+        pooled = sum(b.capacity for b in self._pool)
+        if pooled + buf.capacity > self.pool_bytes:
+            self._discard(buf)
+            return
+        if buf.path is not None:
+            self._rename(buf, self._pool_path())  # the lease's name disappears now
+        buf.reusable_at = self.clock() + delay
+        self._pool.append(buf)
+
+    def _rename(self, buf: _Buffer, new: Path) -> None:
+        os.rename(buf.path, new)
+        self._paths.add(new)
+        self._paths.discard(buf.path)
+        buf.path = new
+
+    def _discard(self, buf: _Buffer) -> None:
+        """Free a buffer: unlink its file; the memory goes with the last mapping."""
+        buf.generation += 1
+        if buf.path is not None:
+            with suppress(FileNotFoundError):
+                buf.path.unlink()
+            self._paths.discard(buf.path)
+
+    # -- leases ---------------------------------------------------------------------------
+
+    def get(self, lease_id: str) -> StagedBlocks:
+        """The staged blocks of an open lease; LeaseNotFoundError otherwise."""
+        with self._lock:
+            staged = self._leases.get(lease_id)
+            expired = staged is not None and self.clock() >= staged.expires_at
+            if expired:
+                self._end(lease_id, expired=True)
+        if expired:
+            self._notify_expired([lease_id])
+            raise LeaseNotFoundError(f"lease {lease_id!r} expired")
+        if staged is None:
+            raise LeaseNotFoundError(f"unknown lease {lease_id!r} (never exported, or released)")
+        return staged
+
+    def release(self, lease_id: str) -> bool:
+        """End a lease; False when it was not open (unknown, released or expired)."""
+        with self._lock:
+            return self._end(lease_id, expired=False) is not None
+
+    def expire(self) -> list[str]:
+        """End every lease past its expiry; returns their ids (and counts them)."""
+        now = self.clock()
+        with self._lock:
+            ids = [lid for lid, s in self._leases.items() if now >= s.expires_at]
+            for lid in ids:
+                self._end(lid, expired=True)
+        self._notify_expired(ids)
+        return ids
+
+    @property
+    def open_leases(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes of staging memory held by open leases."""
+        with self._lock:
+            return sum(s.buffer.capacity for s in self._leases.values())
+
+    @property
+    def pooled_bytes(self) -> int:
+        """Bytes of staging memory kept for reuse."""
+        with self._lock:
+            return sum(b.capacity for b in self._pool)
+
+    def close(self) -> None:
+        """End every lease and free every segment, pooled ones included (idempotent)."""
+        with self._lock:
+            for lid in list(self._leases):
+                self._end(lid, expired=False)
+            for buf in self._pool:
+                self._discard(buf)
+            self._pool.clear()
+        self._finalizer()
+
+    def __enter__(self) -> KVSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _end(self, lease_id: str, *, expired: bool) -> StagedBlocks | None:
+        staged = self._leases.pop(lease_id, None)
+        if staged is not None:
+            self.expired_total += expired
+            self._recycle(staged.buffer, self.reuse_grace_s if expired else 0.0)
+        return staged
+
+    def _notify_expired(self, lease_ids: list[str]) -> None:
+        if self.on_expire is not None:
+            for lid in lease_ids:
+                self.on_expire(lid)
+
+
+def _gather_and_seal(
+    kv: torch.Tensor,  # [L, 2, num_blocks, bs, kvh, d], the cache
+    ids: tuple[int, ...],
+    payload: torch.Tensor,  # [L, 2, n, bs, kvh, d], a view of `data`
+    data: memoryview,
+    headers: list[ChunkHeader],
+) -> list[bytes]:
+    """payload[l, t, i] = kv[l, t, ids[i]], chunk by chunk; returns the sealed headers.
+
+    Each chunk's checksum runs on the helper thread while the next one is gathered.
+    """
+    index = torch.tensor(ids, dtype=torch.long, device=kv.device)
+    chunkwise = kv.device.type == "cpu" and kv.is_contiguous()
+    if not chunkwise:  # a GPU cache: gather on the device, one device-to-host copy
+        payload.copy_(kv.index_select(2, index))
+    src_rows = kv.view(-1, *kv.shape[2:])  # [L * 2, num_blocks, bs, kvh, d]
+    dst_rows = payload.view(-1, *payload.shape[2:])  # [L * 2, n, bs, kvh, d]
+    futures = []
+    for h in headers:
+        if chunkwise:
+            for s in spans(h.unit_start, h.unit_count, len(ids)):
+                torch.index_select(
+                    src_rows[s.row_start : s.row_end], 1, index[s.pos_start : s.pos_end],
+                    out=dst_rows[s.row_start : s.row_end, s.pos_start : s.pos_end],
+                )  # fmt: skip
+        futures.append(checksum_executor().submit(seal, encode_header(h), data[payload_range(h)]))
+    return [f.result()[0] for f in futures]
+
+
+def _unlink_all(paths: set[Path]) -> None:
+    for p in list(paths):
+        with suppress(FileNotFoundError):
+            p.unlink()
+    paths.clear()
+
+
+# -- gRPC service -------------------------------------------------------------------------
+
+
+class KVTransferServicer:
+    """`pagedserve.v1.KVTransfer`: streams a lease's blocks as framed KVChunk messages."""
+
+    def __init__(self, source: KVSource) -> None:
+        self.source = source
+
+    def PullBlocks(  # noqa: N802 (gRPC method name)
+        self, request: kvtransfer_pb2.PullRequest, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        try:
+            staged = self.source.get(request.lease_id)
+        except LeaseNotFoundError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        layers = (request.layers.start, request.layers.end) if request.HasField("layers") else None
+        try:
+            chunks = staged.chunks(list(request.block_ids), layers, request.max_chunk_bytes or None)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        for header, payload in chunks:
+            message = frame_kvchunk(header, payload)
+            if not staged.valid():  # released and reused while we were sending
+                context.abort(
+                    grpc.StatusCode.NOT_FOUND, f"lease {request.lease_id!r} ended during the pull"
+                )
+            yield message
+
+
+def add_kvtransfer_service(server: grpc.Server, source: KVSource) -> KVTransferServicer:
+    """Register the KVTransfer service for `source` on `server` (before it starts)."""
+    servicer = KVTransferServicer(source)
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "PullBlocks": grpc.unary_stream_rpc_method_handler(
+                servicer.PullBlocks,
+                request_deserializer=kvtransfer_pb2.PullRequest.FromString,
+                response_serializer=None,  # already serialized: framed KVChunk bytes
+            )
+        },
+    )
+    server.add_generic_rpc_handlers((handler,))
+    return servicer

@@ -1,0 +1,328 @@
+"""The receiving side: pull exported blocks into your own, behind one interface.
+
+    transport.pull_into(handle, CacheSink(cache.kv, my_block_ids), block_ids=missing)
+    blocks = transport.pull(handle)          # [L, 2, n, block_size, kvh, head_dim]
+
+`handle` is the exporter's `ExportedKV` (from a KVHandle). `block_ids` names which of
+its blocks to pull, by the exporter's ids (default: all, in handle order); `layers` a
+layer range. Every chunk's checksum is verified before its bytes are written; a
+mismatch raises `KVChecksumError`, a broken or short stream `KVTransferError`, an
+unknown, released or expired lease `LeaseNotFoundError`. The decode worker maps
+these to its policy (recompute locally, or fail the request). A failed pull may have
+written some of the destination blocks: they must be treated as garbage.
+
+Two implementations:
+- `ShmTransport`: same host. Maps the exporter's /dev/shm segment read-only, verifies
+  the chunks and copies straight into the sink: one copy, no exporter involvement.
+- `GrpcTransport`: any host. Streams `KVTransfer.PullBlocks` from the exporter's
+  address, chunk by chunk, each verified and written into the sink as it arrives.
+`AutoTransport` picks per handle with `choose_transport` (shared memory when both
+sides have the same host id and the exporter staged in /dev/shm, gRPC otherwise, or
+forced by `mode`), and falls back to gRPC when the segment is not visible here.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import grpc
+import torch
+
+from pagedserve.kvtransfer.handle import ExportedKV, local_host_id
+from pagedserve.kvtransfer.segment import SHM_DIR, open_shm, parse_segment
+from pagedserve.kvtransfer.sinks import TensorSink
+from pagedserve.kvtransfer.source import SERVICE_NAME, positions_of
+from pagedserve.kvtransfer.wire import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    MAX_CHUNK_BYTES_LIMIT,
+    ChunkAssembler,
+    ChunkHeader,
+    KVSink,
+    KVTransferError,
+    LeaseNotFoundError,
+    TransferSpec,
+    plan_chunks,
+    tensor_view,
+    unframe_kvchunk,
+    verify,
+)
+from pagedserve.v1 import kvtransfer_pb2
+
+TransportKind = Literal["shm", "grpc"]
+MODES = ("auto", "shm", "grpc")
+
+
+def choose_transport(local_host_id: str, remote_host_id: str, mode: str = "auto") -> TransportKind:
+    """Shared memory when both ends are on one host, gRPC otherwise; `mode` forces one."""
+    if mode not in MODES:
+        raise ValueError(f"KV transport mode {mode!r} not one of {MODES}")
+    if mode != "auto":
+        return mode  # type: ignore[return-value]
+    return "shm" if local_host_id == remote_host_id else "grpc"
+
+
+@dataclass(frozen=True)
+class PullResult:
+    """What one pull moved."""
+
+    transport: TransportKind
+    num_blocks: int
+    layer_start: int
+    layer_end: int
+    payload_bytes: int
+    num_chunks: int
+
+
+def request_spec(
+    handle: ExportedKV, block_ids: Sequence[int] | None, layers: tuple[int, int] | None
+) -> TransferSpec:
+    """What a pull asks for; ValueError for ids not in the lease or a bad layer range."""
+    lay = handle.layout
+    ids = handle.block_ids if block_ids is None else tuple(int(b) for b in block_ids)
+    if not ids:
+        raise ValueError("nothing to pull: block_ids is empty")
+    positions_of(handle.block_ids, ids)  # validates membership and duplicates
+    l0, l1 = layers if layers is not None else (0, lay.num_layers)
+    if not 0 <= l0 < l1 <= lay.num_layers:
+        raise ValueError(f"layer range [{l0}, {l1}) outside the model's {lay.num_layers} layers")
+    return TransferSpec(ids, l0, l1, lay.dtype, lay.unit_shape)
+
+
+class KVTransport(ABC):
+    """Pulls exported KV blocks into a sink."""
+
+    name: str
+
+    @abstractmethod
+    def pull_into(
+        self,
+        handle: ExportedKV,
+        sink: KVSink,
+        block_ids: Sequence[int] | None = None,
+        layers: tuple[int, int] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> PullResult:
+        """Pull `block_ids` (exporter ids, default all) over `layers` into `sink`."""
+
+    def pull(
+        self,
+        handle: ExportedKV,
+        block_ids: Sequence[int] | None = None,
+        layers: tuple[int, int] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> torch.Tensor:
+        """The blocks as a new tensor [L, 2, n, block_size, kvh, head_dim]."""
+        spec = request_spec(handle, block_ids, layers)
+        lay = handle.layout
+        shape = (spec.layer_end - spec.layer_start, 2, len(spec.block_ids), *lay.unit_shape)
+        out = torch.empty(shape, dtype=lay.dtype)
+        self.pull_into(handle, TensorSink(out), block_ids, layers, timeout=timeout)
+        return out
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release connections; the transport is unusable afterwards."""
+
+
+class ShmTransport(KVTransport):
+    """Same host: map the exporter's segment, verify, copy into the sink."""
+
+    name = "shm"
+
+    def __init__(self, shm_dir: Path = SHM_DIR, *, overlap: bool = True) -> None:
+        self.shm_dir = Path(shm_dir)
+        self.overlap = overlap  # checksums on the helper thread (see ChunkAssembler)
+
+    def pull_into(self, handle, sink, block_ids=None, layers=None, *, timeout=None) -> PullResult:
+        spec = request_spec(handle, block_ids, layers)
+        if not handle.shm_name:
+            raise KVTransferError(f"lease {handle.lease_id!r} was not staged in shared memory")
+        if handle.expired():
+            raise LeaseNotFoundError(f"lease {handle.lease_id!r} expired")
+        try:
+            mapping = open_shm(self.shm_dir / handle.shm_name)
+        except FileNotFoundError:
+            raise LeaseNotFoundError(
+                f"segment {handle.shm_name} of lease {handle.lease_id!r} is gone "
+                "(released or expired), or not visible from this process"
+            ) from None
+        # The mapping is never closed explicitly: tensors viewing it keep it alive, and
+        # it is unmapped when the last one is gone.
+        segment = parse_segment(memoryview(mapping))
+        first = segment.headers[0][0] if segment.headers else None
+        if (
+            segment.lease_id != handle.lease_id
+            or first is None
+            or first.block_ids != handle.block_ids
+        ):
+            raise KVTransferError(
+                f"segment {handle.shm_name} does not hold lease {handle.lease_id!r}"
+            )
+        whole = (spec.layer_start, spec.layer_end) == (0, handle.layout.num_layers)
+        if spec.block_ids == handle.block_ids and whole:
+            result = self._pull_whole(segment, sink, spec)
+        else:
+            result = self._pull_part(segment, first, sink, spec)
+        if not segment.unchanged():  # the exporter reused it (lease ended) while we copied
+            raise LeaseNotFoundError(f"lease {handle.lease_id!r} ended during the pull")
+        return result
+
+    def _pull_whole(self, segment, sink, spec) -> PullResult:
+        """Every chunk as staged: copy it, its checksum verified alongside."""
+        asm = ChunkAssembler(sink, spec, overlap=self.overlap)
+        try:
+            for header, raw in segment.headers:
+                asm.add(raw, segment.chunk_payload(header))
+            first = asm.finish()
+        except BaseException:
+            asm.abort()
+            raise
+        return PullResult("shm", first.num_blocks, first.layer_start, first.layer_end,
+                          asm.payload_bytes, len(segment.headers))  # fmt: skip
+
+    def _pull_part(self, segment, first: ChunkHeader, sink, spec: TransferSpec) -> PullResult:
+        """Some blocks or layers: verify the chunks holding them, then copy those rows."""
+        n_all = first.num_blocks
+        lo, hi = 2 * spec.layer_start * n_all, 2 * spec.layer_end * n_all  # unit range
+        for header, raw in segment.headers:
+            if header.unit_start < hi and header.unit_start + header.unit_count > lo:
+                verify(header, raw, segment.chunk_payload(header))
+        sub_header = _sub_header(first, spec)
+        spec.check(sub_header)
+        sink.bind(sub_header)
+        payload = tensor_view(segment.payload, first.dtype, first.transfer_shape)
+        positions = positions_of(first.block_ids, spec.block_ids)
+        n = len(positions)
+        contiguous = positions == list(range(positions[0], positions[0] + n))
+        for row in range(2 * (spec.layer_end - spec.layer_start)):
+            layer, kv = spec.layer_start + row // 2, row % 2
+            if contiguous:  # a run of blocks (e.g. the suffix a prefix hit leaves): a view
+                data = payload[layer, kv, positions[0] : positions[0] + n]
+            else:
+                data = payload[layer, kv].index_select(0, torch.tensor(positions))
+            sink.write_units(row * n, data)
+        nbytes = sub_header.num_units * sub_header.unit_bytes
+        return PullResult("shm", n, spec.layer_start, spec.layer_end, nbytes, len(segment.headers))
+
+
+def _sub_header(first: ChunkHeader, spec: TransferSpec) -> ChunkHeader:
+    """A header describing the part `spec` of the transfer `first` belongs to."""
+    fields = {**first.__dict__, "block_ids": spec.block_ids, "layer_start": spec.layer_start,
+              "layer_end": spec.layer_end, "chunk_index": 0, "chunk_count": 1}  # fmt: skip
+    return ChunkHeader(**fields)
+
+
+class GrpcTransport(KVTransport):
+    """Any host: stream KVTransfer.PullBlocks, verify and place each chunk on arrival."""
+
+    name = "grpc"
+
+    def __init__(
+        self, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, overlap: bool = True
+    ) -> None:
+        plan_chunks(1, 1, max_chunk_bytes)  # validates the chunk size
+        self.max_chunk_bytes = max_chunk_bytes
+        self.overlap = overlap  # checksums on the helper thread (see ChunkAssembler)
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+
+    def _pull_blocks(self, address: str):
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                limit = MAX_CHUNK_BYTES_LIMIT + (1 << 20)  # largest chunk plus its header
+                options = [("grpc.max_receive_message_length", limit)]
+                channel = self._channels[address] = grpc.insecure_channel(address, options=options)
+        return channel.unary_stream(
+            f"/{SERVICE_NAME}/PullBlocks",
+            request_serializer=kvtransfer_pb2.PullRequest.SerializeToString,
+            response_deserializer=None,  # raw KVChunk bytes, unframed by hand (wire.py)
+        )
+
+    def pull_into(self, handle, sink, block_ids=None, layers=None, *, timeout=None) -> PullResult:
+        spec = request_spec(handle, block_ids, layers)
+        if not handle.transfer_address:
+            raise KVTransferError(f"lease {handle.lease_id!r} has no transfer address")
+        request = kvtransfer_pb2.PullRequest(
+            lease_id=handle.lease_id,
+            block_ids=[] if spec.block_ids == handle.block_ids else list(spec.block_ids),
+            layers=kvtransfer_pb2.LayerRange(start=spec.layer_start, end=spec.layer_end),
+            max_chunk_bytes=self.max_chunk_bytes,
+        )
+        asm = ChunkAssembler(sink, spec, overlap=self.overlap)
+        stream = self._pull_blocks(handle.transfer_address)(request, timeout=timeout)
+        try:
+            for message in stream:
+                asm.add(*unframe_kvchunk(message))
+            first = asm.finish()
+        except grpc.RpcError as e:
+            asm.abort()
+            raise _rpc_error(e, handle) from None
+        except BaseException:
+            stream.cancel()  # stop the sender: a bad chunk ends the transfer
+            asm.abort()
+            raise
+        return PullResult("grpc", first.num_blocks, first.layer_start, first.layer_end,
+                          asm.payload_bytes, len(asm.seen))  # fmt: skip
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+
+def _rpc_error(e: grpc.RpcError, handle: ExportedKV) -> KVTransferError:
+    code, details = e.code(), e.details()
+    where = f"lease {handle.lease_id!r} at {handle.transfer_address}"
+    if code == grpc.StatusCode.NOT_FOUND:
+        return LeaseNotFoundError(f"{where}: {details}")
+    return KVTransferError(f"pulling {where} failed: {code.name}: {details}")
+
+
+class AutoTransport(KVTransport):
+    """Chooses shared memory or gRPC per handle (see `choose_transport`)."""
+
+    name = "auto"
+
+    def __init__(
+        self,
+        *,
+        host_id: str | None = None,
+        mode: str = "auto",
+        shm: ShmTransport | None = None,
+        grpc_transport: GrpcTransport | None = None,
+    ) -> None:
+        choose_transport("", "", mode)  # validates the mode
+        self.host_id = host_id or local_host_id()
+        self.mode = mode
+        self.shm = shm or ShmTransport()
+        self.grpc = grpc_transport or GrpcTransport()
+
+    def choose(self, handle: ExportedKV) -> KVTransport:
+        kind = choose_transport(self.host_id, handle.host_id, self.mode)
+        if kind == "shm" and self.mode == "auto" and not handle.shm_name:
+            kind = "grpc"  # the exporter staged privately: only gRPC can reach it
+        return self.shm if kind == "shm" else self.grpc
+
+    def pull_into(self, handle, sink, block_ids=None, layers=None, *, timeout=None) -> PullResult:
+        transport = self.choose(handle)
+        try:
+            return transport.pull_into(handle, sink, block_ids, layers, timeout=timeout)
+        except LeaseNotFoundError:
+            # Same host id but another /dev/shm (a container): the exporter may still
+            # serve it over gRPC. If the lease is really gone, gRPC says so too.
+            fallback = transport is self.shm and self.mode == "auto" and handle.transfer_address
+            if not fallback or handle.expired():
+                raise
+        return self.grpc.pull_into(handle, sink, block_ids, layers, timeout=timeout)
+
+    def close(self) -> None:
+        self.shm.close()
+        self.grpc.close()

@@ -1,0 +1,704 @@
+"""KV transfer: wire format, sinks, the exporter, both transports (real gRPC on loopback,
+real /dev/shm segments) and the choice between them.
+
+Small caches (4 layers, 2 KV heads, head_dim 8, block 4) so every test runs in
+milliseconds; bit-exactness is checked on the raw bits (`view` as integers), so NaN
+patterns and bf16 survive too.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from pagedserve.kvtransfer.handle import ExportedKV, KVLayout, local_host_id
+from pagedserve.kvtransfer.segment import (
+    SHM_DIR,
+    list_segments,
+    parse_segment,
+    remove_stale_segments,
+    segment_name,
+)
+from pagedserve.kvtransfer.sinks import CacheSink, TensorSink, spans
+from pagedserve.kvtransfer.source import SERVICE_NAME, KVSource, add_kvtransfer_service
+from pagedserve.kvtransfer.transport import (
+    AutoTransport,
+    GrpcTransport,
+    ShmTransport,
+    choose_transport,
+)
+from pagedserve.kvtransfer.wire import (
+    ChunkAssembler,
+    ChunkHeader,
+    KVChecksumError,
+    KVTransferError,
+    LeaseNotFoundError,
+    decode_header,
+    encode_chunks,
+    encode_header,
+    frame_kvchunk,
+    plan_chunks,
+    unframe_kvchunk,
+)
+from pagedserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
+
+L, NB, BS, KVH, HD = 4, 12, 4, 2, 8  # layers, cache blocks, block size, kv heads, head dim
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+UNIT_ELEMS = BS * KVH * HD  # elements of one block of one layer's K or V
+
+
+def make_cache(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(
+        -(2**15), 2**15, (L, 2, NB, BS, KVH, HD * dtype.itemsize // 2), generator=g
+    )
+    return bits.to(torch.int16).view(dtype)  # random bit patterns, NaNs and infs included
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def assert_bit_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert torch.equal(bits(a), bits(b))
+
+
+def my_segments() -> list[str]:
+    prefix = segment_name(os.getpid(), "")
+    return [n for n in list_segments() if n.startswith(prefix)]
+
+
+@pytest.fixture(autouse=True)
+def no_segment_leaks():
+    before = set(my_segments())
+    yield
+    assert set(my_segments()) - before == set(), "a test left /dev/shm segments behind"
+
+
+@pytest.fixture
+def source():
+    src = KVSource(max_chunk_bytes=1024)
+    yield src
+    src.close()
+
+
+@pytest.fixture
+def served():
+    """A KVSource behind a real gRPC server on 127.0.0.1 (port 0), stopped in teardown."""
+    src = KVSource(max_chunk_bytes=1024)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    add_kvtransfer_service(server, src)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    src.transfer_address = f"127.0.0.1:{port}"
+    client = GrpcTransport(max_chunk_bytes=1024)
+    yield src, client
+    client.close()
+    server.stop(grace=None).wait()
+    src.close()
+
+
+# ---------------------------------------------------------------------------------- wire
+
+
+def test_header_round_trips_every_field():
+    h = ChunkHeader(
+        request_id="req-é-1", dtype=torch.bfloat16, num_layers=30, layer_start=3, layer_end=9,
+        block_size=16, num_kv_heads=3, head_dim=64, block_ids=(7, 0, 4_000_000_000), num_tokens=40,
+        chunk_index=2, chunk_count=5, unit_start=6, unit_count=3, payload_len=3 * 16 * 3 * 64 * 2,
+        checksum=0xDEADBEEF,
+    )  # fmt: skip
+    raw = encode_header(h)
+    assert len(raw) == 60 + len("req-é-1".encode()) + 3 * 4
+    assert decode_header(raw) == h
+
+
+@pytest.mark.parametrize(
+    ("num_units", "unit_bytes", "max_chunk", "expected"),
+    [
+        (10, 100, 1000, [(0, 10)]),
+        (10, 100, 300, [(0, 3), (3, 3), (6, 3), (9, 1)]),
+        (9, 100, 300, [(0, 3), (3, 3), (6, 3)]),
+        (3, 100, 100, [(0, 1), (1, 1), (2, 1)]),
+        (4, 100, 399, [(0, 3), (3, 1)]),
+    ],
+)
+def test_plan_chunks_fills_chunks_with_whole_units(num_units, unit_bytes, max_chunk, expected):
+    assert plan_chunks(num_units, unit_bytes, max_chunk) == expected
+
+
+def test_plan_chunks_rejects_a_unit_larger_than_a_chunk():
+    with pytest.raises(ValueError, match="more than max_chunk_bytes=99"):
+        plan_chunks(1, 100, 99)
+    with pytest.raises(ValueError, match="max_chunk_bytes must be in"):
+        plan_chunks(1, 1, 0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_spans_cover_every_unit_once_in_order(n):
+    total = 2 * 3 * n
+    for start in range(total):
+        for count in range(1, total - start + 1):
+            covered = []
+            for s in spans(start, count, n):
+                for r in range(s.row_start, s.row_end):
+                    covered += [r * n + p for p in range(s.pos_start, s.pos_end)]
+                assert s.data_end - s.data_start == (s.row_end - s.row_start) * (
+                    s.pos_end - s.pos_start
+                )
+            assert covered == list(range(start, start + count))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("units_per_chunk", [1, 3, 7, 100])
+def test_chunks_reassemble_bit_exact(dtype, units_per_chunk):
+    blocks = make_cache(dtype)[:, :, :5].contiguous()  # [L, 2, 5, ...]
+    unit_bytes = UNIT_ELEMS * dtype.itemsize
+    chunks = list(
+        encode_chunks(
+            blocks,
+            block_ids=[3, 1, 4, 9, 2],
+            num_tokens=18,
+            request_id="r",
+            max_chunk_bytes=units_per_chunk * unit_bytes,
+        )  # fmt: skip
+    )
+    num_units = L * 2 * 5
+    assert len(chunks) == -(-num_units // units_per_chunk)
+    assert sum(c.header.unit_count for c in chunks) == num_units
+    out = torch.empty_like(blocks)
+    asm = ChunkAssembler(TensorSink(out))
+    for c in reversed(chunks):  # any order
+        asm.add(c.header_bytes, c.payload)
+    first = asm.finish()
+    assert (first.block_ids, first.num_tokens, first.request_id) == ((3, 1, 4, 9, 2), 18, "r")
+    assert_bit_equal(out, blocks)
+
+
+def _chunks(dtype=torch.float16, request_id="r", ids=(0, 1, 2)):
+    blocks = make_cache(dtype)[:, :, : len(ids)].contiguous()
+    return blocks, list(
+        encode_chunks(
+            blocks,
+            block_ids=list(ids),
+            num_tokens=len(ids) * BS,
+            request_id=request_id,
+            max_chunk_bytes=1024,
+        )  # fmt: skip
+    )
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_corrupted_payload_raises_checksum_error(overlap):
+    blocks, chunks = _chunks()
+    bad = bytearray(chunks[2].payload)
+    bad[17] ^= 0x01
+    asm = ChunkAssembler(TensorSink(torch.empty_like(blocks)), overlap=overlap)
+    with pytest.raises(KVChecksumError, match="chunk 2/"):
+        for i, c in enumerate(chunks):
+            asm.add(c.header_bytes, bad if i == 2 else c.payload)
+        asm.finish()
+
+
+def test_corrupted_block_id_in_header_raises_checksum_error():
+    blocks, chunks = _chunks(ids=(5, 6, 7))
+    header = bytearray(chunks[0].header_bytes)
+    header[-4] ^= 0x02  # last block id: 7 -> 5, structurally valid
+    assert decode_header(bytes(header)).block_ids == (5, 6, 5)
+    asm = ChunkAssembler(TensorSink(torch.empty_like(blocks)), overlap=False)
+    with pytest.raises(KVChecksumError):
+        asm.add(bytes(header), chunks[0].payload)
+
+
+def test_missing_chunk_is_a_truncated_transfer():
+    blocks, chunks = _chunks()
+    asm = ChunkAssembler(TensorSink(torch.empty_like(blocks)))
+    for c in chunks[:-1]:
+        asm.add(c.header_bytes, c.payload)
+    with pytest.raises(
+        KVTransferError, match=f"truncated: {len(chunks) - 1} of {len(chunks)} chunks"
+    ):
+        asm.finish()
+    with pytest.raises(KVTransferError, match="before its first chunk"):
+        ChunkAssembler(TensorSink(torch.empty_like(blocks))).finish()
+
+
+def test_duplicate_or_foreign_chunks_are_rejected():
+    blocks, chunks = _chunks(request_id="a")
+    _, other = _chunks(request_id="b")
+    asm = ChunkAssembler(TensorSink(torch.empty_like(blocks)))
+    asm.add(chunks[0].header_bytes, chunks[0].payload)
+    with pytest.raises(KVTransferError, match="received twice"):
+        asm.add(chunks[0].header_bytes, chunks[0].payload)
+    with pytest.raises(KVTransferError, match="another transfer"):
+        asm.add(other[1].header_bytes, other[1].payload)
+    asm.abort()
+
+
+def test_short_payload_and_malformed_headers_raise():
+    blocks, chunks = _chunks()
+    asm = ChunkAssembler(TensorSink(torch.empty_like(blocks)))
+    with pytest.raises(KVTransferError, match="payload is 10 bytes"):
+        asm.add(chunks[0].header_bytes, chunks[0].payload[:10])
+    raw = chunks[0].header_bytes
+    with pytest.raises(KVTransferError, match="not a KV chunk"):
+        decode_header(b"XXXX" + raw[4:])
+    with pytest.raises(KVTransferError, match="version 9"):
+        decode_header(raw[:4] + b"\x09\x00" + raw[6:])
+    with pytest.raises(KVTransferError, match="truncated"):
+        decode_header(raw[:30])
+    with pytest.raises(KVTransferError, match="inconsistent"):
+        decode_header(raw[:-1])
+
+
+def test_kvchunk_framing_is_the_protobuf_message():
+    _, chunks = _chunks()
+    c = chunks[0]
+    framed = frame_kvchunk(c.header_bytes, c.payload)
+    msg = kvtransfer_pb2.KVChunk.FromString(framed)
+    assert (msg.header, msg.payload) == (c.header_bytes, bytes(c.payload))
+    # ... and a message written by protobuf (with an unknown field added) unframes.
+    extra = kvtransfer_pb2.KVChunk(header=b"h" * 200, payload=b"p" * 70000).SerializeToString()
+    header, payload = unframe_kvchunk(extra + b"\x18\x05")  # field 3, varint 5
+    assert (bytes(header), bytes(payload)) == (b"h" * 200, b"p" * 70000)
+    with pytest.raises(KVTransferError, match="without header or payload"):
+        unframe_kvchunk(kvtransfer_pb2.KVChunk(header=b"h").SerializeToString())
+    with pytest.raises(KVTransferError, match="past the end"):
+        unframe_kvchunk(framed[:-1])
+
+
+# --------------------------------------------------------------------------------- sinks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cache_sink_writes_only_the_destination_blocks(dtype):
+    blocks, chunks = _chunks(dtype, ids=(0, 1, 2))
+    cache = torch.zeros(L, 2, NB, BS, KVH, HD, dtype=dtype)
+    asm = ChunkAssembler(CacheSink(cache, [9, 0, 5]))
+    for c in chunks:
+        asm.add(c.header_bytes, c.payload)
+    asm.finish()
+    assert_bit_equal(cache[:, :, [9, 0, 5]], blocks)
+    others = [b for b in range(NB) if b not in (9, 0, 5)]
+    assert not bits(cache[:, :, others]).any()
+
+
+def test_cache_sink_refuses_a_mismatched_transfer():
+    _, chunks = _chunks(torch.float16, ids=(0, 1))
+    cases = [
+        (
+            torch.zeros(L, 2, NB, BS, KVH, HD, dtype=torch.float32),
+            [1, 2],
+            "sender's KV is torch.float16",
+        ),
+        (torch.zeros(L, 2, NB, BS, KVH, HD, dtype=torch.float16), [1], "2 blocks, 1 destination"),
+        (torch.zeros(L + 1, 2, NB, BS, KVH, HD, dtype=torch.float16), [1, 2], "has 4 layers"),
+        (torch.zeros(L, 2, NB, BS, KVH, 2 * HD, dtype=torch.float16), [1, 2], "blocks are"),
+    ]
+    for cache, ids, message in cases:
+        with pytest.raises(ValueError, match=message):
+            ChunkAssembler(CacheSink(cache, ids)).add(chunks[0].header_bytes, chunks[0].payload)
+    with pytest.raises(ValueError, match="out of range"):
+        CacheSink(cases[0][0], [NB])
+    with pytest.raises(ValueError, match="duplicate"):
+        CacheSink(cases[0][0], [1, 1])
+
+
+# ------------------------------------------------------------------------- export + shm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shm_round_trip_bit_exact(source, dtype):
+    cache = make_cache(dtype)
+    handle = source.export(cache, [7, 2, 11], num_tokens=10, request_id="req-1")
+    assert handle.shm_name == segment_name(os.getpid(), handle.lease_id)
+    assert (SHM_DIR / handle.shm_name).exists()
+    out = ShmTransport().pull(handle)
+    assert_bit_equal(out, cache[:, :, [7, 2, 11]])
+    source.release(handle.lease_id)
+
+
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+@pytest.mark.parametrize(
+    ("block_ids", "layers"),
+    [(None, (1, 3)), ([2, 11], None), ([11, 7], (0, 1)), ([7], (3, 4))],
+)
+def test_partial_pulls(served, transport, block_ids, layers):
+    source, client = served
+    cache = make_cache(torch.float16)
+    handle = source.export(cache, [7, 2, 11], num_tokens=12)
+    t = ShmTransport() if transport == "shm" else client
+    ids = block_ids or [7, 2, 11]
+    l0, l1 = layers or (0, L)
+    out = t.pull(handle, block_ids, layers)
+    assert_bit_equal(out, cache[l0:l1][:, :, ids])
+    dst = torch.zeros_like(cache)
+    result = t.pull_into(handle, CacheSink(dst, [0, 1, 2][: len(ids)]), block_ids, layers)
+    assert (result.transport, result.num_blocks, result.layer_start, result.layer_end) == (
+        transport,
+        len(ids),
+        l0,
+        l1,
+    )
+    assert result.payload_bytes == (l1 - l0) * 2 * len(ids) * UNIT_ELEMS * 2
+    assert_bit_equal(dst[l0:l1, :, : len(ids)], cache[l0:l1][:, :, ids])
+    assert (
+        not bits(dst[:, :, len(ids) :]).any()
+        and not bits(dst[:l0]).any()
+        and not bits(dst[l1:]).any()
+    )
+
+
+def test_pull_rejects_bad_requests_before_moving_anything(source):
+    handle = source.export(make_cache(torch.float16), [7, 2], num_tokens=8)
+    shm = ShmTransport()
+    with pytest.raises(ValueError, match=r"block ids \[3\] are not in the lease"):
+        shm.pull(handle, [3])
+    with pytest.raises(ValueError, match="duplicate block ids"):
+        shm.pull(handle, [7, 7])
+    with pytest.raises(ValueError, match="nothing to pull"):
+        shm.pull(handle, [])
+    with pytest.raises(ValueError, match=r"layer range \[2, 2\)"):
+        shm.pull(handle, None, (2, 2))
+    source.release(handle.lease_id)
+
+
+def test_export_rejects_bad_arguments(source):
+    cache = make_cache(torch.float16)
+    with pytest.raises(ValueError, match="distinct ids"):
+        source.export(cache, [1, 1], num_tokens=8)
+    with pytest.raises(ValueError, match="distinct ids"):
+        source.export(cache, [NB], num_tokens=4)
+    with pytest.raises(ValueError, match="does not fill 2 blocks"):
+        source.export(cache, [1, 2], num_tokens=4)  # would fit in one block
+    with pytest.raises(ValueError, match="lease id"):
+        source.export(cache, [1], num_tokens=4, lease_id="../etc")
+    source.export(cache, [1], num_tokens=4, lease_id="same")
+    with pytest.raises(ValueError, match="already open"):
+        source.export(cache, [2], num_tokens=4, lease_id="same")
+    assert source.open_leases == 1
+    source.release("same")
+
+
+def test_released_segments_leave_dev_shm(source):
+    cache = make_cache(torch.float32)
+    handles = [source.export(cache, [i], num_tokens=BS) for i in range(3)]
+    names = {h.shm_name for h in handles}
+    assert names <= set(my_segments())
+    assert source.release(handles[0].lease_id) is True
+    assert source.release(handles[0].lease_id) is False  # idempotent
+    assert handles[0].shm_name not in my_segments()  # renamed into the pool
+    with pytest.raises(LeaseNotFoundError, match="is gone"):
+        ShmTransport().pull(handles[0])
+    source.close()
+    assert my_segments() == []  # leases and pool alike
+    assert source.open_leases == 0 and source.pooled_bytes == 0
+
+
+def test_pooled_segment_is_reused_and_old_handle_stays_dead(source):
+    cache = make_cache(torch.float16)
+    first = source.export(cache, [1, 2], num_tokens=8)
+    source.release(first.lease_id)
+    pooled = source.pooled_bytes
+    assert pooled > 0
+    second = source.export(cache, [3, 4], num_tokens=8)
+    assert source.pooled_bytes == 0 and source.staged_bytes == pooled  # the same buffer
+    with pytest.raises(LeaseNotFoundError):
+        ShmTransport().pull(first)
+    assert_bit_equal(ShmTransport().pull(second), cache[:, :, [3, 4]])
+    source.release(second.lease_id)
+
+
+def test_pool_is_bounded(source):
+    small = KVSource(pool_bytes=0)
+    try:
+        h = small.export(make_cache(torch.float16), [1], num_tokens=1)
+        small.release(h.lease_id)
+        assert small.pooled_bytes == 0 and my_segments() == []
+    finally:
+        small.close()
+
+
+def test_segment_rewritten_under_a_reader_is_detected(source):
+    cache = make_cache(torch.float16)
+    first = source.export(cache, [1, 2], num_tokens=8)
+    segment = source.get(first.lease_id).segment
+    assert segment.unchanged()
+    source.release(first.lease_id)
+    second = source.export(cache, [5, 6], num_tokens=8)  # reuses the buffer
+    assert not segment.unchanged()
+    source.release(second.lease_id)
+
+
+def test_corrupted_segment_raises_checksum_error(source):
+    cache = make_cache(torch.float16)
+    handle = source.export(cache, [4, 5, 6], num_tokens=12)
+    path = SHM_DIR / handle.shm_name
+    data = bytearray(path.read_bytes())
+    layout = parse_segment(memoryview(bytes(data))).layout
+    data[layout.total_len - 100] ^= 0x10  # inside the last chunk's payload
+    path.write_bytes(bytes(data))
+    with pytest.raises(KVChecksumError):
+        ShmTransport().pull(handle)
+    with pytest.raises(KVChecksumError):  # a partial pull verifies the chunks it reads
+        ShmTransport().pull(handle, layers=(L - 1, L))
+    source.release(handle.lease_id)
+
+
+def test_expired_lease_is_freed_and_counted():
+    now = [100.0]
+    expired = []
+    src = KVSource(default_ttl_s=30.0, clock=lambda: now[0], on_expire=expired.append)
+    try:
+        h1 = src.export(make_cache(torch.float16), [1], num_tokens=3)
+        h2 = src.export(make_cache(torch.float16), [2], num_tokens=3, ttl_s=60.0)
+        now[0] += 30.0
+        assert src.expire() == [h1.lease_id]
+        assert expired == [h1.lease_id] and src.expired_total == 1 and src.open_leases == 1
+        assert h1.shm_name not in my_segments()
+        with pytest.raises(LeaseNotFoundError, match="unknown lease"):
+            src.get(h1.lease_id)
+        now[0] += 30.0  # h2 expires; `get` notices before any expire() call
+        with pytest.raises(LeaseNotFoundError, match="expired"):
+            src.get(h2.lease_id)
+        assert expired == [h1.lease_id, h2.lease_id] and src.expired_total == 2
+        assert src.release(h2.lease_id) is False
+    finally:
+        src.close()
+
+
+def test_expired_segment_waits_out_the_grace_period_before_reuse():
+    now = [0.0]
+    src = KVSource(default_ttl_s=1.0, reuse_grace_s=5.0, clock=lambda: now[0])
+    try:
+        cache = make_cache(torch.float16)
+        src.export(cache, [1], num_tokens=3)
+        now[0] = 2.0
+        src.expire()
+        pooled = src.pooled_bytes
+        src.release(src.export(cache, [2], num_tokens=3).lease_id)  # needs a new buffer
+        assert src.pooled_bytes == 2 * pooled
+    finally:
+        src.close()
+
+
+def test_stale_segments_of_dead_exporters_are_removed(tmp_path):
+    dead_pid = 2**22 + 12345  # above the default pid_max: never a live process
+    stale = tmp_path / segment_name(dead_pid, "abc")
+    stale.write_bytes(b"x")
+    mine = tmp_path / segment_name(os.getpid(), "def")
+    mine.write_bytes(b"y")
+    (tmp_path / "unrelated").write_bytes(b"z")
+    assert remove_stale_segments(tmp_path) == [stale.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, "unrelated"])
+
+
+def test_private_staging_has_no_segment(served):
+    _, client = served
+    src = KVSource(use_shm=False, transfer_address=served[0].transfer_address)
+    try:
+        handle = src.export(make_cache(torch.float16), [1], num_tokens=2)
+        assert handle.shm_name == "" and my_segments() == []
+        with pytest.raises(KVTransferError, match="not staged in shared memory"):
+            ShmTransport().pull(handle)
+        assert parse_segment(src.get(handle.lease_id).buffer.flat).lease_id == handle.lease_id
+    finally:
+        src.close()
+
+
+# ---------------------------------------------------------------------------------- gRPC
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grpc_round_trip_bit_exact(served, dtype):
+    source, client = served
+    cache = make_cache(dtype)
+    handle = source.export(cache, [3, 0, 10, 6], num_tokens=16, request_id="req-g")
+    assert_bit_equal(client.pull(handle), cache[:, :, [3, 0, 10, 6]])
+    dst = torch.zeros_like(cache)
+    result = client.pull_into(handle, CacheSink(dst, [1, 2, 3, 4]))
+    assert result.num_chunks == -(-(L * 2 * 4 * UNIT_ELEMS * dtype.itemsize) // 1024)
+    assert_bit_equal(dst[:, :, [1, 2, 3, 4]], cache[:, :, [3, 0, 10, 6]])
+    source.release(handle.lease_id)
+
+
+def test_grpc_unknown_lease_is_not_found(served):
+    source, client = served
+    handle = source.export(make_cache(torch.float16), [1], num_tokens=2)
+    source.release(handle.lease_id)
+    with pytest.raises(LeaseNotFoundError, match="unknown lease"):
+        client.pull(handle)
+    with grpc.insecure_channel(source.transfer_address) as channel:
+        stub = kvtransfer_pb2_grpc.KVTransferStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.PullBlocks(kvtransfer_pb2.PullRequest(lease_id="nope")))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "unknown lease 'nope'" in err.value.details()
+
+
+def test_grpc_invalid_pull_requests(served):
+    source, _ = served
+    handle = source.export(make_cache(torch.float16), [1, 2], num_tokens=8)
+    bad = [
+        (kvtransfer_pb2.PullRequest(lease_id=handle.lease_id, block_ids=[9]), "not in the lease"),
+        (kvtransfer_pb2.PullRequest(lease_id=handle.lease_id, layers=kvtransfer_pb2.LayerRange(start=2, end=9)),
+         "layer range"),
+        (kvtransfer_pb2.PullRequest(lease_id=handle.lease_id, max_chunk_bytes=8), "raise the chunk size"),
+    ]  # fmt: skip
+    with grpc.insecure_channel(source.transfer_address) as channel:
+        stub = kvtransfer_pb2_grpc.KVTransferStub(channel)
+        for request, message in bad:
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.PullBlocks(request))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in err.value.details()
+    source.release(handle.lease_id)
+
+
+def test_generated_stub_reads_the_stream(served):
+    source, _ = served
+    cache = make_cache(torch.bfloat16)
+    handle = source.export(cache, [5, 8], num_tokens=8)
+    out = torch.empty(L, 2, 2, BS, KVH, HD, dtype=torch.bfloat16)
+    asm = ChunkAssembler(TensorSink(out))
+    with grpc.insecure_channel(source.transfer_address) as channel:
+        for msg in kvtransfer_pb2_grpc.KVTransferStub(channel).PullBlocks(
+            kvtransfer_pb2.PullRequest(lease_id=handle.lease_id)
+        ):
+            asm.add(msg.header, msg.payload)
+    assert asm.finish().block_ids == (5, 8)
+    assert_bit_equal(out, cache[:, :, [5, 8]])
+    source.release(handle.lease_id)
+
+
+def test_grpc_corrupted_chunk_raises_checksum_error(served):
+    source, client = served
+    handle = source.export(make_cache(torch.float16), [1, 2, 3], num_tokens=12)
+    payload = source.get(handle.lease_id).payload  # the staged copy the server sends
+    payload.view(torch.uint8).view(-1)[2000] ^= 0x40
+    with pytest.raises(KVChecksumError):
+        client.pull(handle)
+    source.release(handle.lease_id)
+
+
+class _Misbehaving:
+    """A real gRPC server on the KVTransfer path that cuts streams short."""
+
+    def __init__(self, source: KVSource, mode: str) -> None:
+        self.source, self.mode = source, mode
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        handler = grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {"PullBlocks": grpc.unary_stream_rpc_method_handler(
+                self.pull, request_deserializer=kvtransfer_pb2.PullRequest.FromString)},
+        )  # fmt: skip
+        self.server.add_generic_rpc_handlers((handler,))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def pull(self, request, context):
+        chunks = list(self.source.get(request.lease_id).chunks())
+        for i, (header, payload) in enumerate(chunks):
+            if i == len(chunks) // 2:
+                if self.mode == "abort":
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "exporter shutting down")
+                return  # "truncate": end the stream cleanly, chunks missing
+            yield frame_kvchunk(header, payload)
+
+
+@pytest.mark.parametrize("mode", ["truncate", "abort"])
+def test_grpc_broken_stream_raises(source, mode):
+    bad = _Misbehaving(source, mode)
+    try:
+        handle = source.export(make_cache(torch.float16), [1, 2, 3], num_tokens=12).with_address(
+            bad.address
+        )
+        client = GrpcTransport(max_chunk_bytes=1024)
+        expected = "truncated" if mode == "truncate" else "UNAVAILABLE: exporter shutting down"
+        with pytest.raises(KVTransferError, match=expected) as err:
+            client.pull(handle)
+        assert not isinstance(err.value, KVChecksumError)
+        client.close()
+        source.release(handle.lease_id)
+    finally:
+        bad.server.stop(grace=None).wait()
+
+
+def test_grpc_unreachable_exporter_raises():
+    handle = ExportedKV(
+        lease_id="x", request_id="", host_id="elsewhere", transfer_address="127.0.0.1:1",
+        shm_name="", block_ids=(0,), num_tokens=1, layout=KVLayout(L, BS, KVH, HD, torch.float16),
+        expires_unix_ms=2**62,
+    )  # fmt: skip
+    client = GrpcTransport()
+    with pytest.raises(KVTransferError, match="UNAVAILABLE"):
+        client.pull(handle, timeout=5)
+    client.close()
+
+
+# ------------------------------------------------------------------- choosing a transport
+
+
+def test_choose_transport():
+    assert choose_transport("a", "a") == "shm"
+    assert choose_transport("a", "b") == "grpc"
+    assert choose_transport("a", "a", mode="grpc") == "grpc"
+    assert choose_transport("a", "b", mode="shm") == "shm"
+    with pytest.raises(ValueError, match="mode 'tcp'"):
+        choose_transport("a", "a", mode="tcp")
+    assert local_host_id() == local_host_id() and "/" in local_host_id()
+
+
+def test_auto_transport_picks_per_handle(served):
+    source, client = served
+    cache = make_cache(torch.float16)
+    handle = source.export(cache, [1, 2], num_tokens=8)
+    auto = AutoTransport(grpc_transport=client)
+    dst = torch.zeros_like(cache)
+    assert auto.pull_into(handle, CacheSink(dst, [3, 4])).transport == "shm"
+    remote = ExportedKV(**{**handle.__dict__, "host_id": "another-host/boot"})
+    assert auto.pull_into(remote, CacheSink(dst, [3, 4])).transport == "grpc"
+    forced = AutoTransport(mode="grpc", grpc_transport=client)
+    assert forced.pull_into(handle, CacheSink(dst, [3, 4])).transport == "grpc"
+    # Same host id but the segment is not visible here: falls back to gRPC.
+    hidden = ExportedKV(**{**handle.__dict__, "shm_name": segment_name(os.getpid(), "not-here")})
+    assert auto.pull_into(hidden, CacheSink(dst, [3, 4])).transport == "grpc"
+    assert_bit_equal(dst[:, :, [3, 4]], cache[:, :, [1, 2]])
+    source.release(handle.lease_id)
+    with pytest.raises(LeaseNotFoundError):  # gone for both transports
+        auto.pull(handle)
+
+
+def test_exported_handle_round_trips_through_the_proto(source):
+    handle = source.export(make_cache(torch.bfloat16), [4, 9, 1], num_tokens=11, request_id="rq")
+    msg = kvtransfer_pb2.KVHandle.FromString(handle.to_proto().SerializeToString())
+    assert msg.layout.dtype == "bfloat16" and list(msg.block_ids) == [4, 9, 1]
+    assert ExportedKV.from_proto(msg, request_id="rq") == handle
+    source.release(handle.lease_id)
+
+
+def test_no_segment_survives_the_exporter_process(tmp_path):
+    """An exporter process that exits without close() still unlinks its segments."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from pagedserve.kvtransfer.source import KVSource\n"
+        "src = KVSource()\n"
+        "h = src.export(torch.zeros(2, 2, 4, 4, 2, 8), [0, 3], num_tokens=5)\n"
+        "src.release(src.export(torch.zeros(2, 2, 4, 4, 2, 8), [1], num_tokens=1).lease_id)\n"
+        "print(h.shm_name)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    name = out.stdout.strip()
+    assert name.startswith("pagedserve-kv-")
+    assert not (Path(SHM_DIR) / name).exists()
+    pid = name.split("-")[2]
+    assert not [n for n in list_segments() if n.startswith(f"pagedserve-kv-{pid}-")]

@@ -61,25 +61,37 @@ class Row:
     frac_copy_bw: float
     vs_sdpa: float | None
     max_rel_err: float | None
+    copies: int  # K/V copies rotated through (see DecodeCase)
+    timing: str  # cudagraph | eager | wall
 
 
 # ---- timing ---------------------------------------------------------------------------
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, min_time_s: float = 0.2) -> float:
-    """Median milliseconds of one call of fn."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
+def time_ms(fn: Callable[[], object], device: torch.device) -> tuple[float, str]:
+    """(median milliseconds of one call of fn, how it was timed).
 
-        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    CUDA: replayed from a CUDA graph (`do_bench_cudagraph`), so host launch overhead is
+    not counted: the figure is the GPU's. Falls back to eager `do_bench` (L2 flushed
+    between calls) if fn cannot be captured. CPU: wall clock, median of >= 3 calls.
+    """
+    if device.type == "cuda":
+        from triton.testing import do_bench, do_bench_cudagraph
+
+        try:
+            return float(do_bench_cudagraph(fn, rep=100, return_mode="median")), "cudagraph"
+        except Exception as e:  # capture refused: time eagerly instead, and say so
+            print(f"note: CUDA graph capture failed ({type(e).__name__}: {e}); timing eagerly")
+            torch.cuda.synchronize()
+            return float(do_bench(fn, warmup=25, rep=100, return_mode="median")), "eager"
     fn()  # warm-up (plans, allocator)
     samples: list[float] = []
-    deadline = time.perf_counter() + min_time_s
+    deadline = time.perf_counter() + 0.2
     while len(samples) < 3 or (time.perf_counter() < deadline and len(samples) < 200):
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    return statistics.median(samples), "wall"
 
 
 def copy_bandwidth_gbs(device: torch.device) -> float:
@@ -87,7 +99,12 @@ def copy_bandwidth_gbs(device: torch.device) -> float:
     nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), device)
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        ms = float(do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median"))
+    else:
+        ms, _ = time_ms(lambda: dst.copy_(src), device)
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
@@ -96,42 +113,59 @@ def copy_bandwidth_gbs(device: torch.device) -> float:
 
 @dataclass
 class DecodeCase:
+    """One layer's decode step, with `copies` identical K/V stores to rotate through.
+
+    A timed call runs the step once per copy, each copy at its own addresses, so that
+    consecutive steps never find the previous one's K/V in the cache (L2 on a GPU, L3 on
+    a CPU): like the engine, where each of the 30 layers reads its own K/V.
+    """
+
     q: torch.Tensor  # [B, q_heads, head_dim]
     k_new: torch.Tensor  # [B, kv_heads, head_dim]
     v_new: torch.Tensor
-    k_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
-    v_cache: torch.Tensor
     meta: AttentionMetadata
-    k_dense: torch.Tensor  # [B, kv_heads, ctx, head_dim], the same K/V contiguous
-    v_dense: torch.Tensor
+    caches: list[tuple[torch.Tensor, torch.Tensor]]  # k/v [num_blocks, bs, kv_heads, d]
+    dense: list[tuple[torch.Tensor, torch.Tensor]]  # k/v [B, kv_heads, ctx, d], contiguous
     scale: float
+    kv_bytes: int  # K and V bytes one step reads
 
 
-def make_case(
-    batch: int, ctx: int, args: argparse.Namespace, device: torch.device, gen: torch.Generator
-) -> DecodeCase:
+def num_copies(kv_bytes: int, args: argparse.Namespace, device: torch.device) -> int:
+    """Copies whose K/V together pass --rotate-mib, at most 64, within half the free memory."""
+    copies = max(1, min(64, -(-(args.rotate_mib << 20) // kv_bytes)))
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        copies = max(1, min(copies, free // (2 * 2 * kv_bytes)))  # paged + dense per copy
+    return copies
+
+
+def make_case(batch: int, ctx: int, args: argparse.Namespace, device: torch.device) -> DecodeCase:
     dtype, bs = DTYPES[args.dtype], args.block_size
     kvh, hq, d = args.kv_heads, args.q_heads, args.head_dim
+    seed = batch * 7919 + ctx
+    gen = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = -(-ctx // bs)
     num_blocks = batch * blocks_per_seq + 1
-    tables = torch.randperm(num_blocks, generator=gen)[: batch * blocks_per_seq]
-    tables = tables.view(batch, blocks_per_seq).to(torch.int32)
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+    tables = perm[: batch * blocks_per_seq].view(batch, blocks_per_seq).to(torch.int32)
+    tables = tables.to(device)
 
-    # Dense K/V first (the new token already at position ctx - 1), then scattered into blocks.
-    k_dense = torch.randn(batch, kvh, ctx, d, generator=gen).to(dtype)
-    v_dense = torch.randn(batch, kvh, ctx, d, generator=gen).to(dtype)
-    k_cache = torch.randn(num_blocks, bs, kvh, d, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, bs, kvh, d, generator=gen).to(dtype)
-    pos = torch.arange(ctx)
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device, dtype=dtype)
+
+    # Dense K/V first (the new token's already at position ctx - 1), scattered into blocks.
+    k_dense, v_dense = randn(batch, kvh, ctx, d), randn(batch, kvh, ctx, d)
+    k_cache, v_cache = randn(num_blocks, bs, kvh, d), randn(num_blocks, bs, kvh, d)
+    pos = torch.arange(ctx, device=device)
     slots = tables[:, pos // bs].long() * bs + pos % bs  # [B, ctx]
     k_cache.view(-1, kvh, d)[slots.reshape(-1)] = k_dense.transpose(1, 2).reshape(-1, kvh, d)
     v_cache.view(-1, kvh, d)[slots.reshape(-1)] = v_dense.transpose(1, 2).reshape(-1, kvh, d)
 
     meta = AttentionMetadata(
-        slot_mapping=slots[:, -1].contiguous().to(device),
+        slot_mapping=slots[:, -1].contiguous(),
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
         seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=device),
-        block_tables=tables.to(device),
+        block_tables=tables,
         num_prefills=0,
         num_prefill_tokens=0,
         num_decode_tokens=batch,
@@ -140,36 +174,40 @@ def make_case(
         query_lens_cpu=[1] * batch,
         seq_lens_cpu=[ctx] * batch,
     )
+    kv_bytes = 2 * batch * ctx * kvh * d * k_cache.element_size()
+    copies = num_copies(kv_bytes, args, device)
     return DecodeCase(
-        q=torch.randn(batch, hq, d, generator=gen).to(dtype).to(device),
-        k_new=k_dense[:, :, -1].contiguous().to(device),
-        v_new=v_dense[:, :, -1].contiguous().to(device),
-        k_cache=k_cache.to(device),
-        v_cache=v_cache.to(device),
+        q=randn(batch, hq, d),
+        k_new=k_dense[:, :, -1].contiguous(),
+        v_new=v_dense[:, :, -1].contiguous(),
         meta=meta,
-        k_dense=k_dense.to(device),
-        v_dense=v_dense.to(device),
+        caches=[(k_cache, v_cache)]
+        + [(k_cache.clone(), v_cache.clone()) for _ in range(copies - 1)],
+        dense=[(k_dense, v_dense)]
+        + [(k_dense.clone(), v_dense.clone()) for _ in range(copies - 1)],
         scale=d**-0.5,
+        kv_bytes=kv_bytes,
     )
 
 
-def sdpa_fn(case: DecodeCase) -> Callable[[], torch.Tensor]:
+def sdpa_fn(case: DecodeCase, copies: int) -> Callable[[], torch.Tensor]:
     q4 = case.q[:, :, None, :]  # [B, q_heads, 1, d]
 
     def run() -> torch.Tensor:
-        o = F.scaled_dot_product_attention(
-            q4, case.k_dense, case.v_dense, scale=case.scale, enable_gqa=True
-        )
+        for k, v in case.dense[:copies]:
+            o = F.scaled_dot_product_attention(q4, k, v, scale=case.scale, enable_gqa=True)
         return o[:, :, 0, :]
 
     return run
 
 
-def backend_fn(backend, case: DecodeCase) -> Callable[[], torch.Tensor]:
+def backend_fn(backend, case: DecodeCase, copies: int) -> Callable[[], torch.Tensor]:
     def run() -> torch.Tensor:
-        return backend.forward(
-            case.q, case.k_new, case.v_new, case.k_cache, case.v_cache, case.meta, case.scale
-        )
+        for k_cache, v_cache in case.caches[:copies]:
+            o = backend.forward(
+                case.q, case.k_new, case.v_new, k_cache, v_cache, case.meta, case.scale
+            )
+        return o
 
     return run
 
@@ -197,19 +235,21 @@ def bench_point(
     batch: int, ctx: int, args: argparse.Namespace, device: torch.device, backends: dict,
     copy_gbs: float,
 ) -> list[Row]:  # fmt: skip
-    case = make_case(batch, ctx, args, device, torch.Generator().manual_seed(batch * 7919 + ctx))
-    kv_bytes = 2 * batch * ctx * args.kv_heads * args.head_dim * case.k_cache.element_size()
-    ref = sdpa_fn(case)()
-    fns: dict[str, Callable[[], torch.Tensor]] = {"sdpa": sdpa_fn(case)}
-    fns.update({name: backend_fn(b, case) for name, b in backends.items()})
-    times = {name: time_ms(fn, device) for name, fn in fns.items() if name in args.backends}
+    case = make_case(batch, ctx, args, device)
+    copies = len(case.caches)
+    ref = sdpa_fn(case, 1)()
+    fns = {"sdpa": sdpa_fn(case, copies)}
+    fns.update({name: backend_fn(b, case, copies) for name, b in backends.items()})
+    timed = {name: time_ms(fn, device) for name, fn in fns.items() if name in args.backends}
+    times = {name: ms / copies for name, (ms, _) in timed.items()}
     rows = []
     for name, ms in times.items():
-        err = None if name == "sdpa" else rel_err(fns[name](), ref)
-        gbs = kv_bytes / (ms * 1e-3) / 1e9
+        err = None if name == "sdpa" else rel_err(backend_fn(backends[name], case, 1)(), ref)
+        gbs = case.kv_bytes / (ms * 1e-3) / 1e9
         vs = times["sdpa"] / ms if "sdpa" in times else None
         rows.append(
-            Row(batch, ctx, name, ms, ms * args.layers, gbs, gbs / copy_gbs, vs, err)
+            Row(batch, ctx, name, ms, ms * args.layers, gbs, gbs / copy_gbs, vs, err,
+                copies, timed[name][1])
         )  # fmt: skip
     return rows
 
@@ -220,7 +260,7 @@ def bench_point(
 def print_table(rows: list[Row], layers: int) -> None:
     head = (
         f"{'batch':>5} {'ctx':>5} {'backend':>7} {'ms/layer':>9} {'ms/step':>9} "
-        f"{'KV GB/s':>8} {'% copy':>7} {'vs sdpa':>8} {'max err':>8}"
+        f"{'KV GB/s':>8} {'% copy':>7} {'vs sdpa':>8} {'max err':>8} {'copies':>6} timing"
     )
     print(f"(ms/step = ms/layer x {layers} layers)")
     print(head)
@@ -230,7 +270,8 @@ def print_table(rows: list[Row], layers: int) -> None:
         err = f"{r.max_rel_err:8.1e}" if r.max_rel_err is not None else f"{'-':>8}"
         print(
             f"{r.batch:>5} {r.context:>5} {r.backend:>7} {r.ms_per_layer:9.3f} "
-            f"{r.ms_per_step:9.2f} {r.kv_gbs:8.1f} {100 * r.frac_copy_bw:6.1f}% {vs} {err}"
+            f"{r.ms_per_step:9.2f} {r.kv_gbs:8.1f} {100 * r.frac_copy_bw:6.1f}% {vs} {err} "
+            f"{r.copies:>6} {r.timing}"
         )
 
 
@@ -294,6 +335,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=30)
+    p.add_argument(
+        "--rotate-mib", type=int, default=256,
+        help="rotate through K/V copies totalling at least this much (cache-cold reads)",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
@@ -319,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
           f"block_size {args.block_size}; copy bandwidth {copy_gbs:.1f} GB/s")  # fmt: skip
     if device.type == "cpu" and "triton" in backends:
         print("note: triton on CPU runs in the interpreter; its times are not a measurement")
+        args.rotate_mib = 0  # one K/V copy: the interpreter is slow enough as it is
     rows: list[Row] = []
     for batch in args.batch:
         for ctx in args.context:

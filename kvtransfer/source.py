@@ -36,6 +36,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,7 @@ from pagedserve.kvtransfer.wire import (
     ChunkHeader,
     LeaseNotFoundError,
     checksum_executor,
+    checksum_kind,
     chunk_headers,
     encode_chunks,
     encode_header,
@@ -67,6 +69,7 @@ from pagedserve.kvtransfer.wire import (
     payload_range,
     plan_chunks,
     seal,
+    slow_checksum,
     tensor_view,
 )
 from pagedserve.v1 import kvtransfer_pb2
@@ -97,6 +100,7 @@ class StagedBlocks:
     payload: torch.Tensor  # [L, 2, n, block_size, kvh, head_dim], a view of the segment
     expires_at: float  # on the source's clock
     max_chunk_bytes: int  # chunk size the segment was cut with
+    checksum: str | None  # checksum kind of the chunks (None = the default)
     buffer: _Buffer
     generation: int  # buffer.generation while this lease owns it
 
@@ -137,6 +141,7 @@ class StagedBlocks:
         encoded = encode_chunks(
             sub, block_ids=ids, num_tokens=self.handle.num_tokens, request_id=self.handle.request_id,
             layer_start=l0, num_layers=lay.num_layers, max_chunk_bytes=chunk,
+            checksum=self.checksum,
         )  # fmt: skip
         return ((c.header_bytes, c.payload) for c in encoded)
 
@@ -164,6 +169,7 @@ class KVSource:
         shm_dir: Path = SHM_DIR,
         default_ttl_s: float = 30.0,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        checksum: str | None = None,
         pool_bytes: int = 256 * _MIB,
         reuse_grace_s: float = 5.0,
         on_expire: Callable[[str], None] | None = None,
@@ -176,6 +182,8 @@ class KVSource:
                 f"pool_bytes and reuse_grace_s must be >= 0, got {pool_bytes}, {reuse_grace_s}"
             )
         plan_chunks(1, 1, max_chunk_bytes)  # validates the chunk size
+        checksum_kind(checksum)  # validates the checksum kind
+        self.checksum = checksum
         self.host_id = host_id or local_host_id()
         self.transfer_address = transfer_address
         self.use_shm = use_shm
@@ -243,7 +251,7 @@ class KVSource:
             request_id=request_id, dtype=kv.dtype, num_layers=layout.num_layers, layer_start=0,
             layer_end=layout.num_layers, block_size=layout.block_size, num_kv_heads=layout.num_kv_heads,
             head_dim=layout.head_dim, block_ids=ids, num_tokens=num_tokens,
-            max_chunk_bytes=self.max_chunk_bytes,
+            max_chunk_bytes=self.max_chunk_bytes, checksum=self.checksum,
         )  # fmt: skip
         payload_len = headers[0].num_units * headers[0].unit_bytes
         seg = SegmentLayout.plan(header_size(request_id, len(ids)), len(headers), payload_len)
@@ -280,8 +288,9 @@ class KVSource:
         )
         expires_at = self.clock() + ttl
         return StagedBlocks(
-            handle, segment, payload, expires_at, self.max_chunk_bytes, buf, buf.generation
-        )
+            handle, segment, payload, expires_at, self.max_chunk_bytes, self.checksum, buf,
+            buf.generation,
+        )  # fmt: skip
 
     # -- staging buffers ------------------------------------------------------------------
 
@@ -426,7 +435,7 @@ def _gather_and_seal(
 ) -> list[bytes]:
     """payload[l, t, i] = kv[l, t, ids[i]], chunk by chunk; returns the sealed headers.
 
-    Each chunk's checksum runs on the helper thread while the next one is gathered.
+    A slow checksum (CRC-32) runs on the helper thread while the next chunk is gathered.
     """
     index = torch.tensor(ids, dtype=torch.long, device=kv.device)
     chunkwise = kv.device.type == "cpu" and kv.is_contiguous()
@@ -442,8 +451,18 @@ def _gather_and_seal(
                     src_rows[s.row_start : s.row_end], 1, index[s.pos_start : s.pos_end],
                     out=dst_rows[s.row_start : s.row_end, s.pos_start : s.pos_end],
                 )  # fmt: skip
-        futures.append(checksum_executor().submit(seal, encode_header(h), data[payload_range(h)]))
+        sealing = (seal, encode_header(h), data[payload_range(h)])
+        if slow_checksum(h.checksum_kind):
+            futures.append(checksum_executor().submit(*sealing))
+        else:
+            futures.append(_done(seal(*sealing[1:])))
     return [f.result()[0] for f in futures]
+
+
+def _done(value: object) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
 
 
 def _unlink_all(paths: set[Path]) -> None:

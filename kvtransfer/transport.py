@@ -135,7 +135,7 @@ class ShmTransport(KVTransport):
 
     name = "shm"
 
-    def __init__(self, shm_dir: Path = SHM_DIR, *, overlap: bool = True) -> None:
+    def __init__(self, shm_dir: Path = SHM_DIR, *, overlap: bool | None = None) -> None:
         self.shm_dir = Path(shm_dir)
         self.overlap = overlap  # checksums on the helper thread (see ChunkAssembler)
 
@@ -224,7 +224,7 @@ class GrpcTransport(KVTransport):
     name = "grpc"
 
     def __init__(
-        self, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, overlap: bool = True
+        self, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, overlap: bool | None = None
     ) -> None:
         plan_chunks(1, 1, max_chunk_bytes)  # validates the chunk size
         self.max_chunk_bytes = max_chunk_bytes

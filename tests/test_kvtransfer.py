@@ -8,6 +8,7 @@ patterns and bf16 survive too.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from concurrent import futures
 from pathlib import Path
@@ -33,6 +34,8 @@ from pagedserve.kvtransfer.transport import (
     choose_transport,
 )
 from pagedserve.kvtransfer.wire import (
+    CHECKSUM_KINDS,
+    DEFAULT_CHECKSUM,
     ChunkAssembler,
     ChunkHeader,
     KVChecksumError,
@@ -49,6 +52,11 @@ from pagedserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
 
 L, NB, BS, KVH, HD = 4, 12, 4, 2, 8  # layers, cache blocks, block size, kv heads, head dim
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HAVE_XXHASH = importlib.util.find_spec("xxhash") is not None
+CHECKSUMS = [
+    "crc32",
+    pytest.param("xxh3", marks=pytest.mark.skipif(not HAVE_XXHASH, reason="xxhash not installed")),
+]
 UNIT_ELEMS = BS * KVH * HD  # elements of one block of one layer's K or V
 
 
@@ -115,7 +123,7 @@ def test_header_round_trips_every_field():
         checksum=0xDEADBEEF,
     )  # fmt: skip
     raw = encode_header(h)
-    assert len(raw) == 60 + len("req-é-1".encode()) + 3 * 4
+    assert len(raw) == 64 + len("req-é-1".encode()) + 3 * 4
     assert decode_header(raw) == h
 
 
@@ -155,9 +163,10 @@ def test_spans_cover_every_unit_once_in_order(n):
             assert covered == list(range(start, start + count))
 
 
+@pytest.mark.parametrize("checksum", CHECKSUMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("units_per_chunk", [1, 3, 7, 100])
-def test_chunks_reassemble_bit_exact(dtype, units_per_chunk):
+def test_chunks_reassemble_bit_exact(dtype, units_per_chunk, checksum):
     blocks = make_cache(dtype)[:, :, :5].contiguous()  # [L, 2, 5, ...]
     unit_bytes = UNIT_ELEMS * dtype.itemsize
     chunks = list(
@@ -167,8 +176,10 @@ def test_chunks_reassemble_bit_exact(dtype, units_per_chunk):
             num_tokens=18,
             request_id="r",
             max_chunk_bytes=units_per_chunk * unit_bytes,
-        )  # fmt: skip
+            checksum=checksum,
+        )
     )
+    assert {c.header.checksum_kind for c in chunks} == {CHECKSUM_KINDS[checksum]}
     num_units = L * 2 * 5
     assert len(chunks) == -(-num_units // units_per_chunk)
     assert sum(c.header.unit_count for c in chunks) == num_units
@@ -181,7 +192,7 @@ def test_chunks_reassemble_bit_exact(dtype, units_per_chunk):
     assert_bit_equal(out, blocks)
 
 
-def _chunks(dtype=torch.float16, request_id="r", ids=(0, 1, 2)):
+def _chunks(dtype=torch.float16, request_id="r", ids=(0, 1, 2), checksum=None):
     blocks = make_cache(dtype)[:, :, : len(ids)].contiguous()
     return blocks, list(
         encode_chunks(
@@ -190,13 +201,15 @@ def _chunks(dtype=torch.float16, request_id="r", ids=(0, 1, 2)):
             num_tokens=len(ids) * BS,
             request_id=request_id,
             max_chunk_bytes=1024,
-        )  # fmt: skip
+            checksum=checksum,
+        )
     )
 
 
+@pytest.mark.parametrize("checksum", CHECKSUMS)
 @pytest.mark.parametrize("overlap", [True, False])
-def test_corrupted_payload_raises_checksum_error(overlap):
-    blocks, chunks = _chunks()
+def test_corrupted_payload_raises_checksum_error(overlap, checksum):
+    blocks, chunks = _chunks(checksum=checksum)
     bad = bytearray(chunks[2].payload)
     bad[17] ^= 0x01
     asm = ChunkAssembler(TensorSink(torch.empty_like(blocks)), overlap=overlap)
@@ -206,14 +219,28 @@ def test_corrupted_payload_raises_checksum_error(overlap):
         asm.finish()
 
 
-def test_corrupted_block_id_in_header_raises_checksum_error():
-    blocks, chunks = _chunks(ids=(5, 6, 7))
+@pytest.mark.parametrize("checksum", CHECKSUMS)
+def test_corrupted_block_id_in_header_raises_checksum_error(checksum):
+    blocks, chunks = _chunks(ids=(5, 6, 7), checksum=checksum)
     header = bytearray(chunks[0].header_bytes)
     header[-4] ^= 0x02  # last block id: 7 -> 5, structurally valid
     assert decode_header(bytes(header)).block_ids == (5, 6, 5)
     asm = ChunkAssembler(TensorSink(torch.empty_like(blocks)), overlap=False)
     with pytest.raises(KVChecksumError):
         asm.add(bytes(header), chunks[0].payload)
+
+
+def test_checksum_kind_is_validated():
+    with pytest.raises(ValueError, match="checksum 'md5' not one of"):
+        _chunks(checksum="md5")
+    with pytest.raises(ValueError, match="checksum 'md5'"):
+        KVSource(checksum="md5")
+    _, chunks = _chunks(checksum="crc32")
+    raw = bytearray(chunks[0].header_bytes)
+    raw[7] = 9  # the checksum kind byte
+    with pytest.raises(KVTransferError, match="unknown checksum kind 9"):
+        decode_header(bytes(raw))
+    assert ("xxh3" if HAVE_XXHASH else "crc32") == DEFAULT_CHECKSUM
 
 
 def test_missing_chunk_is_a_truncated_transfer():
@@ -436,7 +463,9 @@ def test_segment_rewritten_under_a_reader_is_detected(source):
     source.release(second.lease_id)
 
 
-def test_corrupted_segment_raises_checksum_error(source):
+@pytest.mark.parametrize("checksum", CHECKSUMS)
+def test_corrupted_segment_raises_checksum_error(source, checksum):
+    source.checksum = checksum
     cache = make_cache(torch.float16)
     handle = source.export(cache, [4, 5, 6], num_tokens=12)
     path = SHM_DIR / handle.shm_name
@@ -577,8 +606,10 @@ def test_generated_stub_reads_the_stream(served):
     source.release(handle.lease_id)
 
 
-def test_grpc_corrupted_chunk_raises_checksum_error(served):
+@pytest.mark.parametrize("checksum", CHECKSUMS)
+def test_grpc_corrupted_chunk_raises_checksum_error(served, checksum):
     source, client = served
+    source.checksum = checksum
     handle = source.export(make_cache(torch.float16), [1, 2, 3], num_tokens=12)
     payload = source.get(handle.lease_id).payload  # the staged copy the server sends
     payload.view(torch.uint8).view(-1)[2000] ^= 0x40

@@ -81,9 +81,16 @@ class SegmentLayout:
         if len(lid) > MAX_LEASE_ID_BYTES:
             raise ValueError(f"lease id is {len(lid)} bytes, at most {MAX_LEASE_ID_BYTES}")
         fixed = _SEGMENT.pack(
-            SEGMENT_MAGIC, SEGMENT_VERSION, 0, self.num_chunks, self.table_len,
-            self.payload_offset, self.payload_len, self.total_len, len(lid),
-        )  # fmt: skip
+            SEGMENT_MAGIC,
+            SEGMENT_VERSION,
+            0,
+            self.num_chunks,
+            self.table_len,
+            self.payload_offset,
+            self.payload_len,
+            self.total_len,
+            len(lid),
+        )
         return (fixed + lid).ljust(SEGMENT_HEADER_BYTES, b"\0")
 
 
@@ -150,13 +157,21 @@ def create_shm(path: Path, size: int) -> mmap.mmap:
 
 
 def open_shm(path: Path) -> mmap.mmap:
-    """Map an existing segment read-only (FileNotFoundError if it is gone)."""
+    """Map an existing segment read-only (FileNotFoundError if it is gone).
+
+    Only the segment's own bytes are mapped (a pooled file may be larger), and they
+    are faulted in at once (MAP_POPULATE).
+    """
     fd = os.open(path, os.O_RDONLY)
     try:
+        head = os.pread(fd, SEGMENT_HEADER_BYTES, 0)
+        if len(head) < SEGMENT_HEADER_BYTES:
+            raise KVTransferError(f"KV segment {path} is truncated ({len(head)} bytes)")
+        total = _SEGMENT.unpack_from(head)[7]
         size = os.fstat(fd).st_size
-        if size == 0:
-            raise KVTransferError(f"KV segment {path} is empty")
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+        if not SEGMENT_HEADER_BYTES <= total <= size:
+            raise KVTransferError(f"KV segment {path} is {size} bytes, its header says {total}")
+        return mmap.mmap(fd, total, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
 

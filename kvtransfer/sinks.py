@@ -111,7 +111,8 @@ class CacheSink:
         self.n = len(ids)
         self.layer_start = 0
         self._word = _word_dtype(kv[0, 0, 0].numel() * kv.element_size())
-        # kv as [L * 2 * num_blocks, words per unit]; row of (layer, t, block) = (2 * layer + t) * NB + block
+        # kv as [L * 2 * num_blocks, words per unit]: (layer, t, block) is row
+        # (2 * layer + t) * num_blocks + block
         self._rows = (
             kv.view(-1, *kv.shape[3:]).view(kv.shape[0] * 2 * kv.shape[2], -1).view(self._word)
             if kv.is_contiguous()

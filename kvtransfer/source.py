@@ -139,10 +139,15 @@ class StagedBlocks:
         pos = torch.tensor(positions_of(self.handle.block_ids, ids), dtype=torch.long)
         sub = self.payload[l0:l1].index_select(2, pos)  # [l1 - l0, 2, len(ids), bs, kvh, d]
         encoded = encode_chunks(
-            sub, block_ids=ids, num_tokens=self.handle.num_tokens, request_id=self.handle.request_id,
-            layer_start=l0, num_layers=lay.num_layers, max_chunk_bytes=chunk,
+            sub,
+            block_ids=ids,
+            num_tokens=self.handle.num_tokens,
+            request_id=self.handle.request_id,
+            layer_start=l0,
+            num_layers=lay.num_layers,
+            max_chunk_bytes=chunk,
             checksum=self.checksum,
-        )  # fmt: skip
+        )
         return ((c.header_bytes, c.payload) for c in encoded)
 
 
@@ -230,7 +235,8 @@ class KVSource:
         bad = [b for b in ids if not 0 <= b < kv.shape[2]]
         if not ids or bad or len(set(ids)) != len(ids):
             raise ValueError(
-                f"block ids must be distinct ids in [0, {kv.shape[2]}), at least one; got {list(ids)}"
+                f"block ids must be distinct ids in [0, {kv.shape[2]}), at least one; "
+                f"got {list(ids)}"
             )
         bs = layout.block_size
         if not (len(ids) - 1) * bs < num_tokens <= len(ids) * bs:
@@ -248,11 +254,19 @@ class KVSource:
 
     def _stage(self, kv, layout, ids, num_tokens, request_id, lease_id, ttl) -> StagedBlocks:
         headers = chunk_headers(
-            request_id=request_id, dtype=kv.dtype, num_layers=layout.num_layers, layer_start=0,
-            layer_end=layout.num_layers, block_size=layout.block_size, num_kv_heads=layout.num_kv_heads,
-            head_dim=layout.head_dim, block_ids=ids, num_tokens=num_tokens,
-            max_chunk_bytes=self.max_chunk_bytes, checksum=self.checksum,
-        )  # fmt: skip
+            request_id=request_id,
+            dtype=kv.dtype,
+            num_layers=layout.num_layers,
+            layer_start=0,
+            layer_end=layout.num_layers,
+            block_size=layout.block_size,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            block_ids=ids,
+            num_tokens=num_tokens,
+            max_chunk_bytes=self.max_chunk_bytes,
+            checksum=self.checksum,
+        )
         payload_len = headers[0].num_units * headers[0].unit_bytes
         seg = SegmentLayout.plan(header_size(request_id, len(ids)), len(headers), payload_len)
         buf = self._take_buffer(seg.total_len)
@@ -288,9 +302,15 @@ class KVSource:
         )
         expires_at = self.clock() + ttl
         return StagedBlocks(
-            handle, segment, payload, expires_at, self.max_chunk_bytes, self.checksum, buf,
+            handle,
+            segment,
+            payload,
+            expires_at,
+            self.max_chunk_bytes,
+            self.checksum,
+            buf,
             buf.generation,
-        )  # fmt: skip
+        )
 
     # -- staging buffers ------------------------------------------------------------------
 
@@ -448,9 +468,11 @@ def _gather_and_seal(
         if chunkwise:
             for s in spans(h.unit_start, h.unit_count, len(ids)):
                 torch.index_select(
-                    src_rows[s.row_start : s.row_end], 1, index[s.pos_start : s.pos_end],
+                    src_rows[s.row_start : s.row_end],
+                    1,
+                    index[s.pos_start : s.pos_end],
                     out=dst_rows[s.row_start : s.row_end, s.pos_start : s.pos_end],
-                )  # fmt: skip
+                )
         sealing = (seal, encode_header(h), data[payload_range(h)])
         if slow_checksum(h.checksum_kind):
             futures.append(checksum_executor().submit(*sealing))

@@ -183,8 +183,14 @@ class ShmTransport(KVTransport):
         except BaseException:
             asm.abort()
             raise
-        return PullResult("shm", first.num_blocks, first.layer_start, first.layer_end,
-                          asm.payload_bytes, len(segment.headers))  # fmt: skip
+        return PullResult(
+            "shm",
+            first.num_blocks,
+            first.layer_start,
+            first.layer_end,
+            asm.payload_bytes,
+            len(segment.headers),
+        )
 
     def _pull_part(self, segment, first: ChunkHeader, sink, spec: TransferSpec) -> PullResult:
         """Some blocks or layers: verify the chunks holding them, then copy those rows."""
@@ -213,8 +219,14 @@ class ShmTransport(KVTransport):
 
 def _sub_header(first: ChunkHeader, spec: TransferSpec) -> ChunkHeader:
     """A header describing the part `spec` of the transfer `first` belongs to."""
-    fields = {**first.__dict__, "block_ids": spec.block_ids, "layer_start": spec.layer_start,
-              "layer_end": spec.layer_end, "chunk_index": 0, "chunk_count": 1}  # fmt: skip
+    fields = {
+        **first.__dict__,
+        "block_ids": spec.block_ids,
+        "layer_start": spec.layer_start,
+        "layer_end": spec.layer_end,
+        "chunk_index": 0,
+        "chunk_count": 1,
+    }
     return ChunkHeader(**fields)
 
 
@@ -268,8 +280,14 @@ class GrpcTransport(KVTransport):
             stream.cancel()  # stop the sender: a bad chunk ends the transfer
             asm.abort()
             raise
-        return PullResult("grpc", first.num_blocks, first.layer_start, first.layer_end,
-                          asm.payload_bytes, len(asm.seen))  # fmt: skip
+        return PullResult(
+            "grpc",
+            first.num_blocks,
+            first.layer_start,
+            first.layer_end,
+            asm.payload_bytes,
+            len(asm.seen),
+        )
 
     def close(self) -> None:
         with self._lock:

@@ -57,7 +57,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -67,8 +67,34 @@ DEFAULT_MAX_CHUNK_BYTES = 1 << 20
 # Largest chunk either side accepts: the gRPC channels are configured for it.
 MAX_CHUNK_BYTES_LIMIT = 16 << 20
 
+
+class _Fixed(NamedTuple):
+    """The fixed part of a chunk header, field by field (little-endian, 64 bytes)."""
+
+    magic: bytes  # 4s  b"PSKV"
+    version: int  # H
+    dtype_code: int  # B   DTYPE_CODES
+    checksum_kind: int  # B   CHECKSUM_KINDS
+    header_len: int  # I   fixed + request id + block ids
+    num_layers: int  # H   of the model
+    layer_start: int  # H
+    layer_end: int  # H   exclusive
+    num_kv_heads: int  # H
+    head_dim: int  # H
+    request_id_len: int  # H
+    block_size: int  # I
+    num_blocks: int  # I
+    num_tokens: int  # I
+    chunk_index: int  # I
+    chunk_count: int  # I
+    unit_start: int  # I
+    unit_count: int  # I
+    payload_len: int  # I
+    checksum: int  # Q   last, so "the header minus its checksum" is two slices
+
+
 _FIXED = struct.Struct("<4sHBBIHHHHHHIIIIIIIIQ")
-_CHECKSUM_OFFSET = _FIXED.size - 8  # the checksum is the fixed part's last field
+_CHECKSUM_OFFSET = _FIXED.size - 8
 assert _FIXED.size == 64
 
 CHECKSUM_KINDS = {"crc32": 0, "xxh3": 1}  # name -> code in the header's kind byte
@@ -133,7 +159,7 @@ class ChunkHeader:
 
     @property
     def unit_bytes(self) -> int:
-        return self.block_size * self.num_kv_heads * self.head_dim * _itemsize(self.dtype)
+        return self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def num_units(self) -> int:
@@ -152,10 +178,6 @@ class ChunkHeader:
         return all(getattr(self, k) == getattr(other, k) for k in keys)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def dtype_code(dtype: torch.dtype) -> int:
     """The wire code of a dtype; ValueError for one the format does not carry."""
     try:
@@ -172,30 +194,13 @@ def encode_header(h: ChunkHeader) -> bytes:
         raise ValueError(f"request id is {len(rid)} bytes, at most 65535 fit the header")
     if any(not 0 <= b <= 0xFFFFFFFF for b in h.block_ids):
         raise ValueError(f"block ids must fit uint32, got {list(h.block_ids)}")
-    header_len = _FIXED.size + len(rid) + 4 * h.num_blocks
-    fixed = _FIXED.pack(
-        MAGIC,
-        VERSION,
-        dtype_code(h.dtype),
-        h.checksum_kind,
-        header_len,
-        h.num_layers,
-        h.layer_start,
-        h.layer_end,
-        h.num_kv_heads,
-        h.head_dim,
-        len(rid),
-        h.block_size,
-        h.num_blocks,
-        h.num_tokens,
-        h.chunk_index,
-        h.chunk_count,
-        h.unit_start,
-        h.unit_count,
-        h.payload_len,
-        h.checksum,
-    )
-    return fixed + rid + struct.pack(f"<{h.num_blocks}I", *h.block_ids)
+    fixed = _Fixed(
+        MAGIC, VERSION, dtype_code(h.dtype), h.checksum_kind,
+        _FIXED.size + len(rid) + 4 * h.num_blocks, h.num_layers, h.layer_start, h.layer_end,
+        h.num_kv_heads, h.head_dim, len(rid), h.block_size, h.num_blocks, h.num_tokens,
+        h.chunk_index, h.chunk_count, h.unit_start, h.unit_count, h.payload_len, h.checksum,
+    )  # fmt: skip
+    return _FIXED.pack(*fixed) + rid + struct.pack(f"<{h.num_blocks}I", *h.block_ids)
 
 
 def decode_header(buf: bytes | memoryview) -> ChunkHeader:
@@ -203,31 +208,30 @@ def decode_header(buf: bytes | memoryview) -> ChunkHeader:
     mv = memoryview(buf)
     if len(mv) < _FIXED.size:
         raise KVTransferError(f"chunk header truncated: {len(mv)} bytes, need {_FIXED.size}")
-    (magic, version, code, kind, header_len, num_layers, layer_start, layer_end, kvh, hd,
-     rid_len, block_size, num_blocks, num_tokens, chunk_index, chunk_count, unit_start,
-     unit_count, payload_len, checksum) = _FIXED.unpack_from(mv)  # fmt: skip
-    if magic != MAGIC:
-        raise KVTransferError(f"not a KV chunk: magic {bytes(magic)!r}, expected {MAGIC!r}")
-    if version != VERSION:
-        raise KVTransferError(f"KV wire version {version} not supported (this is {VERSION})")
-    if code not in CODE_DTYPES:
-        raise KVTransferError(f"unknown dtype code {code} in chunk header")
-    if kind not in _KIND_NAMES:
-        raise KVTransferError(f"unknown checksum kind {kind} in chunk header")
-    if header_len != _FIXED.size + rid_len + 4 * num_blocks or len(mv) < header_len:
+    f = _Fixed._make(_FIXED.unpack_from(mv))
+    if f.magic != MAGIC:
+        raise KVTransferError(f"not a KV chunk: magic {bytes(f.magic)!r}, expected {MAGIC!r}")
+    if f.version != VERSION:
+        raise KVTransferError(f"KV wire version {f.version} not supported (this is {VERSION})")
+    if f.dtype_code not in CODE_DTYPES:
+        raise KVTransferError(f"unknown dtype code {f.dtype_code} in chunk header")
+    if f.checksum_kind not in _KIND_NAMES:
+        raise KVTransferError(f"unknown checksum kind {f.checksum_kind} in chunk header")
+    ids_at = _FIXED.size + f.request_id_len
+    if f.header_len != ids_at + 4 * f.num_blocks or len(mv) < f.header_len:
         raise KVTransferError(
-            f"chunk header length {header_len} inconsistent with {rid_len}-byte request id, "
-            f"{num_blocks} block ids and {len(mv)} bytes available"
+            f"chunk header length {f.header_len} inconsistent with {f.request_id_len}-byte "
+            f"request id, {f.num_blocks} block ids and {len(mv)} bytes available"
         )
-    rid = bytes(mv[_FIXED.size : _FIXED.size + rid_len])
-    ids = struct.unpack_from(f"<{num_blocks}I", mv, _FIXED.size + rid_len)
     try:
-        request_id = rid.decode()
+        request_id = bytes(mv[_FIXED.size : ids_at]).decode()
     except UnicodeDecodeError:
-        raise KVTransferError(f"request id {rid!r} in chunk header is not UTF-8") from None
+        raise KVTransferError("request id in chunk header is not UTF-8") from None
+    block_ids = struct.unpack_from(f"<{f.num_blocks}I", mv, ids_at)
     h = ChunkHeader(
-        request_id, CODE_DTYPES[code], num_layers, layer_start, layer_end, block_size, kvh, hd,
-        ids, num_tokens, chunk_index, chunk_count, unit_start, unit_count, payload_len, kind, checksum,
+        request_id, CODE_DTYPES[f.dtype_code], f.num_layers, f.layer_start, f.layer_end,
+        f.block_size, f.num_kv_heads, f.head_dim, block_ids, f.num_tokens, f.chunk_index, f.chunk_count, f.unit_start, f.unit_count, f.payload_len,
+        f.checksum_kind, f.checksum,
     )  # fmt: skip
     _validate(h)
     return h
@@ -391,11 +395,19 @@ def encode_chunks(
     if len(block_ids) != n:
         raise ValueError(f"{len(block_ids)} block ids for {n} blocks")
     headers = chunk_headers(
-        request_id=request_id, dtype=blocks.dtype, num_layers=num_layers if num_layers is not None else layer_start + L,
-        layer_start=layer_start, layer_end=layer_start + L, block_size=bs, num_kv_heads=kvh, head_dim=hd,
-        block_ids=block_ids, num_tokens=num_tokens, max_chunk_bytes=max_chunk_bytes,
+        request_id=request_id,
+        dtype=blocks.dtype,
+        num_layers=num_layers if num_layers is not None else layer_start + L,
+        layer_start=layer_start,
+        layer_end=layer_start + L,
+        block_size=bs,
+        num_kv_heads=kvh,
+        head_dim=hd,
+        block_ids=block_ids,
+        num_tokens=num_tokens,
+        max_chunk_bytes=max_chunk_bytes,
         checksum=checksum,
-    )  # fmt: skip
+    )
     return _sealed_chunks(headers, byte_view(blocks))
 
 
@@ -416,12 +428,23 @@ def chunk_headers(
 ) -> list[ChunkHeader]:
     """The (unsealed, checksum 0) headers of every chunk of a transfer; ValueError if invalid."""
     template = ChunkHeader(
-        request_id=request_id, dtype=dtype, num_layers=num_layers, layer_start=layer_start,
-        layer_end=layer_end, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        block_ids=tuple(int(b) for b in block_ids), num_tokens=num_tokens, chunk_index=0,
-        chunk_count=0, unit_start=0, unit_count=0, payload_len=0,
+        request_id=request_id,
+        dtype=dtype,
+        num_layers=num_layers,
+        layer_start=layer_start,
+        layer_end=layer_end,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_ids=tuple(int(b) for b in block_ids),
+        num_tokens=num_tokens,
+        chunk_index=0,
+        chunk_count=0,
+        unit_start=0,
+        unit_count=0,
+        payload_len=0,
         checksum_kind=checksum_kind(checksum),
-    )  # fmt: skip
+    )
     _validate_template(template)
     plan = plan_chunks(template.num_units, template.unit_bytes, max_chunk_bytes)
     return [
@@ -432,7 +455,7 @@ def chunk_headers(
             unit_start=start,
             unit_count=count,
             payload_len=count * template.unit_bytes,
-        )  # fmt: skip
+        )
         for i, (start, count) in enumerate(plan)
     ]
 
@@ -533,12 +556,6 @@ class ChunkAssembler:
         self.units_written += header.unit_count
         self.payload_bytes += header.payload_len
         return header
-
-    def add_encoded(self, buf: bytes | memoryview) -> ChunkHeader:
-        """Add a chunk given as one buffer, header then payload."""
-        mv = memoryview(buf)
-        n = header_length(mv)
-        return self.add(mv[:n], mv[n:])
 
     def _check_membership(self, header: ChunkHeader) -> None:
         if self.first is None:
@@ -682,9 +699,15 @@ def _read_varint(mv: memoryview, pos: int) -> tuple[int, int]:
 def frame_kvchunk(header_bytes: bytes | memoryview, payload: bytes | memoryview) -> bytes:
     """Serialize a KVChunk message (one copy of the payload)."""
     return b"".join(
-        (_TAG_HEADER, _varint(len(header_bytes)), header_bytes,
-         _TAG_PAYLOAD, _varint(len(payload)), payload)
-    )  # fmt: skip
+        (
+            _TAG_HEADER,
+            _varint(len(header_bytes)),
+            header_bytes,
+            _TAG_PAYLOAD,
+            _varint(len(payload)),
+            payload,
+        )
+    )
 
 
 def unframe_kvchunk(buf: bytes | memoryview) -> tuple[memoryview, memoryview]:

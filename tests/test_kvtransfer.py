@@ -117,11 +117,23 @@ def served():
 
 def test_header_round_trips_every_field():
     h = ChunkHeader(
-        request_id="req-é-1", dtype=torch.bfloat16, num_layers=30, layer_start=3, layer_end=9,
-        block_size=16, num_kv_heads=3, head_dim=64, block_ids=(7, 0, 4_000_000_000), num_tokens=40,
-        chunk_index=2, chunk_count=5, unit_start=6, unit_count=3, payload_len=3 * 16 * 3 * 64 * 2,
+        request_id="req-é-1",
+        dtype=torch.bfloat16,
+        num_layers=30,
+        layer_start=3,
+        layer_end=9,
+        block_size=16,
+        num_kv_heads=3,
+        head_dim=64,
+        block_ids=(7, 0, 4_000_000_000),
+        num_tokens=40,
+        chunk_index=2,
+        chunk_count=5,
+        unit_start=6,
+        unit_count=3,
+        payload_len=3 * 16 * 3 * 64 * 2,
         checksum=0xDEADBEEF,
-    )  # fmt: skip
+    )
     raw = encode_header(h)
     assert len(raw) == 64 + len("req-é-1".encode()) + 3 * 4
     assert decode_header(raw) == h
@@ -576,10 +588,17 @@ def test_grpc_invalid_pull_requests(served):
     handle = source.export(make_cache(torch.float16), [1, 2], num_tokens=8)
     bad = [
         (kvtransfer_pb2.PullRequest(lease_id=handle.lease_id, block_ids=[9]), "not in the lease"),
-        (kvtransfer_pb2.PullRequest(lease_id=handle.lease_id, layers=kvtransfer_pb2.LayerRange(start=2, end=9)),
-         "layer range"),
-        (kvtransfer_pb2.PullRequest(lease_id=handle.lease_id, max_chunk_bytes=8), "raise the chunk size"),
-    ]  # fmt: skip
+        (
+            kvtransfer_pb2.PullRequest(
+                lease_id=handle.lease_id, layers=kvtransfer_pb2.LayerRange(start=2, end=9)
+            ),
+            "layer range",
+        ),
+        (
+            kvtransfer_pb2.PullRequest(lease_id=handle.lease_id, max_chunk_bytes=8),
+            "raise the chunk size",
+        ),
+    ]
     with grpc.insecure_channel(source.transfer_address) as channel:
         stub = kvtransfer_pb2_grpc.KVTransferStub(channel)
         for request, message in bad:
@@ -626,9 +645,12 @@ class _Misbehaving:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         handler = grpc.method_handlers_generic_handler(
             SERVICE_NAME,
-            {"PullBlocks": grpc.unary_stream_rpc_method_handler(
-                self.pull, request_deserializer=kvtransfer_pb2.PullRequest.FromString)},
-        )  # fmt: skip
+            {
+                "PullBlocks": grpc.unary_stream_rpc_method_handler(
+                    self.pull, request_deserializer=kvtransfer_pb2.PullRequest.FromString
+                )
+            },
+        )
         self.server.add_generic_rpc_handlers((handler,))
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         self.server.start()
@@ -663,10 +685,16 @@ def test_grpc_broken_stream_raises(source, mode):
 
 def test_grpc_unreachable_exporter_raises():
     handle = ExportedKV(
-        lease_id="x", request_id="", host_id="elsewhere", transfer_address="127.0.0.1:1",
-        shm_name="", block_ids=(0,), num_tokens=1, layout=KVLayout(L, BS, KVH, HD, torch.float16),
+        lease_id="x",
+        request_id="",
+        host_id="elsewhere",
+        transfer_address="127.0.0.1:1",
+        shm_name="",
+        block_ids=(0,),
+        num_tokens=1,
+        layout=KVLayout(L, BS, KVH, HD, torch.float16),
         expires_unix_ms=2**62,
-    )  # fmt: skip
+    )
     client = GrpcTransport()
     with pytest.raises(KVTransferError, match="UNAVAILABLE"):
         client.pull(handle, timeout=5)

@@ -47,6 +47,16 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 @dataclass(frozen=True)
+class ImportPlan:
+    """Where an imported request's prompt K/V must be written (see reserve_import)."""
+
+    block_ids: list[int]  # this engine's blocks to fill, in block-table order
+    first_block: int  # index of block_ids[0] in the prompt's block table
+    local_hit_tokens: int  # prompt tokens found in this engine's own prefix cache
+    recompute: bool  # no room now: the prompt will be prefilled here instead
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot for logs and the metrics exporter (plain data, no Prometheus here)."""
 
@@ -138,6 +148,8 @@ class LLMEngine:
         self.held: dict[str, list[Sequence]] = {}
         # Decode role: sequences whose blocks are allocated while their KV is imported.
         self.importing: dict[str, list[Sequence]] = {}
+        # Requests with news that no step produced (imported first tokens).
+        self._touched: dict[str, Request] = {}
         self.last_step_was_empty = False
         self._prefill_tokens = 0
         self._decode_tokens = 0
@@ -240,16 +252,20 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        self.last_step_was_empty = sched.is_empty
+        touched = list(self._touched.values())
+        self._touched.clear()
+        self.last_step_was_empty = sched.is_empty and not touched
         if sched.is_empty:
-            return []
+            return self._collect(touched)
         logits, sampled = self.runner.execute(sched)
         for item in [*sched.prefills, *sched.decodes]:
             item.seq.num_computed_tokens = item.start + item.num_new_tokens
             self.block_manager.mark_computed(item.seq.seq_id, item.seq.num_computed_tokens)
         self._prefill_tokens += sum(i.num_new_tokens for i in sched.prefills)
         self._decode_tokens += len(sampled)
-        touched = self._sample(logits, sampled)
+        for req in self._sample(logits, sampled):
+            if req not in touched:
+                touched.append(req)
         self._num_steps += 1
         self._last_step_tokens = sched.num_batched_tokens
         self._last_step_s = time.perf_counter() - t0
@@ -347,55 +363,69 @@ class LLMEngine:
         params: SamplingParams,
         first_tokens: dict[int, int],
         *,
-        cache_salt: str | None = None,
+        first_logprobs: dict[int, TokenLogprobs] | None = None,
         generator_states: dict[int, torch.Tensor] | None = None,
+        cache_salt: str | None = None,
         cached_tokens: int = 0,
-    ) -> tuple[list[int], int]:
-        """Allocates the prompt's blocks (local prefix hits first) for an import.
+    ) -> ImportPlan:
+        """Starts a request whose prompt K/V was computed by the prefill role.
 
-        first_tokens maps each sample index still running to its first token, which
-        the prefill role sampled (and already streamed). Returns (block ids to fill,
-        index of the first of them in the block table): the caller writes their K/V,
-        then calls `commit_import`, or `cancel_import` to give everything back.
+        first_tokens maps every sample index to the first token the prefill role
+        sampled; they are reported (and checked for EOS/stop/length) as this engine's
+        own first output. The prompt's blocks are allocated, local prefix hits first;
+        the caller writes the K/V of `plan.block_ids` (the rest of the block table
+        from `plan.first_block` on), then calls `commit_import`, or `cancel_import`.
+        When the pool cannot hold the prompt now, the samples wait to be prefilled
+        here instead (plan.recompute) and nothing needs importing.
         """
         self._check_new_id(request_id)
         ids = list(prompt_token_ids)
         self._validate(ids, params)
-        if not first_tokens:
-            raise InvalidRequestError("an imported request needs at least one running sample")
+        if sorted(first_tokens) != list(range(params.n)):
+            raise InvalidRequestError(
+                f"an imported request needs the first token of each of its n={params.n} samples"
+            )
         req = Request(request_id, ids, params, cache_salt, forked=True)
         req.num_cached_tokens = cached_tokens
-        seqs = []
-        for index in sorted(first_tokens):
-            seq = self._new_sequence(req, index, ids + [first_tokens[index]])
-            assert seq.detokenizer is not None
-            seq.detokenizer.add(first_tokens[index])  # its text was streamed by the prefill role
-            if generator_states and index in generator_states and seq.generator is not None:
-                seq.generator.set_state(generator_states[index])
-            seqs.append(seq)
-        head = seqs[0]
-        local = self.block_manager.allocate(head.seq_id, ids, cache_salt)
-        for seq in seqs[1:]:
-            self.block_manager.fork(head.seq_id, seq.seq_id)
+        seqs = [self._new_sequence(req, i, list(ids)) for i in range(params.n)]
+        for seq in seqs:
+            if generator_states and seq.index in generator_states and seq.generator:
+                seq.generator.set_state(generator_states[seq.index])
         self.requests[request_id] = req
-        self.importing[request_id] = seqs
-        first = local // self.block_manager.block_size
-        return self.block_manager.block_table(head.seq_id)[first:], first
+        self._touched[request_id] = req  # the first tokens go out with the next step
+        bm = self.block_manager
+        if not bm.can_allocate(ids, cache_salt):
+            for seq in seqs:
+                self._append_token(seq, first_tokens[seq.index], None)
+                if not seq.is_finished:
+                    self.scheduler.add(seq)
+            return ImportPlan([], 0, 0, recompute=True)
+        head = seqs[0]
+        local = bm.allocate(head.seq_id, ids, cache_salt)
+        for seq in seqs[1:]:
+            bm.fork(head.seq_id, seq.seq_id)
+        first = local // bm.block_size
+        plan = ImportPlan(bm.block_table(head.seq_id)[first:], first, local, recompute=False)
+        for seq in seqs:  # may finish (and free) samples whose first token ends them
+            lp = (first_logprobs or {}).get(seq.index)
+            self._append_token(seq, first_tokens[seq.index], lp)
+        live = [s for s in seqs if not s.is_finished]
+        if not live:
+            return ImportPlan([], 0, local, recompute=False)
+        self.importing[request_id] = live
+        return plan
 
     def commit_import(self, request_id: str) -> None:
         """The imported K/V is in place: the samples join the running batch."""
-        seqs = self.importing.pop(request_id)
-        n = seqs[0].request.num_prompt_tokens
-        self.block_manager.mark_computed(seqs[0].seq_id, n)
+        seqs = self.importing.pop(request_id, [])
         for seq in seqs:
-            seq.num_computed_tokens = n
-            if seq is not seqs[0]:
-                self.block_manager.mark_computed(seq.seq_id, n)
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            self.block_manager.mark_computed(seq.seq_id, seq.num_prompt_tokens)
             self.scheduler.add_running(seq)
 
     def cancel_import(self, request_id: str, recompute: bool) -> None:
         """The import failed: recompute the prompt here, or drop the request."""
-        seqs = self.importing.pop(request_id)
+        seqs = self.importing.pop(request_id, [])
         for seq in seqs:
             self.block_manager.free(seq.seq_id)
             if recompute:
@@ -428,6 +458,7 @@ class LLMEngine:
                         logprobs=seq.pending_logprobs,
                         finish_reason=seq.finish_reason if seq.is_finished else None,
                         stop_reason=seq.stop_reason if seq.is_finished else None,
+                        completion_tokens=len(seq.output_token_ids),
                     )
                 )
                 seq.pending_token_ids, seq.pending_text, seq.pending_logprobs = [], "", []

@@ -117,6 +117,7 @@ class SampleDelta:
     logprobs: list[TokenLogprobs | None]
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    completion_tokens: int = 0  # tokens this sample generated so far, in all
 
 
 @dataclass(frozen=True)

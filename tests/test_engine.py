@@ -284,13 +284,13 @@ def test_prefill_only_then_import_equals_one_engine(hf_refs):
     table, hashes, n = pre.held_blocks("x")
     assert n == len(p) and len(table) == 3 and len(hashes) == 2
     data = pre.kv_cache.read_blocks(table)
-    dst, start = dec.reserve_import("x", p, GREEDY, {0: first.token_ids[0]})
-    assert start == 0 and len(dst) == 3
-    dec.kv_cache.write_blocks(dst, data)
+    plan = dec.reserve_import("x", p, GREEDY, {0: first.token_ids[0]})
+    assert plan.first_block == 0 and len(plan.block_ids) == 3 and not plan.recompute
+    dec.kv_cache.write_blocks(plan.block_ids, data)
     dec.commit_import("x")
     assert pre.release_held("x") == 1
     pre.check_integrity()
-    tokens = list(first.token_ids)
+    tokens = []  # the decode role reports every token, the imported first one included
     while dec.has_unfinished_requests():
         for out in dec.step():
             for d in out.samples:
@@ -358,3 +358,67 @@ def test_engine_config_dataclass_path():
     while eng.has_unfinished_requests():
         eng.step()
     eng.check_integrity()
+
+
+def _prefill_on(pre: LLMEngine, rid: str, p: list[int], params: SamplingParams):
+    """Runs the prefill role; returns ({index: first token}, {index: generator state})."""
+    pre.add_request(rid, prompt_token_ids=p, params=params, prefill_only=True)
+    firsts: dict[int, int] = {}
+    while pre.has_unfinished_requests():
+        for out in pre.step():
+            for d in out.samples:
+                firsts[d.index] = d.token_ids[0]
+    states = {s.index: s.generator.get_state() for s in pre.held.get(rid, []) if s.generator}
+    return firsts, states
+
+
+def _drain(eng: LLMEngine) -> dict[int, list[int]]:
+    tokens: dict[int, list[int]] = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            for d in out.samples:
+                tokens.setdefault(d.index, []).extend(d.token_ids)
+    return tokens
+
+
+def test_seeded_parallel_samples_continue_exactly_after_import():
+    params = SamplingParams(temperature=0.9, n=3, seed=77, max_tokens=10, ignore_eos=True)
+    p = prompts(1, seed=15, lo=37, hi=38)[0]
+    one = make_llm().generate([p], params)[0]
+    pre, dec = make_llm().engine, make_llm().engine
+    firsts, states = _prefill_on(pre, "s", p, params)
+    table, _, _ = pre.held_blocks("s")
+    plan = dec.reserve_import("s", p, params, firsts, generator_states=states)
+    dec.kv_cache.write_blocks(plan.block_ids, pre.kv_cache.read_blocks(table))
+    dec.commit_import("s")
+    pre.release_held("s")
+    got = _drain(dec)
+    assert [got[i] for i in range(3)] == [c.token_ids for c in one.completions]
+    dec.check_integrity()
+    pre.check_integrity()
+
+
+def test_import_reuses_local_prefix_and_first_token_can_finish():
+    pre, dec = make_llm().engine, make_llm().engine
+    p = prompts(1, seed=16, lo=40, hi=41)[0]
+    dec.add_request("warm", prompt_token_ids=p[:32] + [9, 9], params=GREEDY)
+    _drain(dec)  # the decode role now caches p's first 2 blocks
+    firsts, _ = _prefill_on(pre, "y", p, GREEDY)
+    plan = dec.reserve_import("y", p, GREEDY, firsts)
+    assert plan.local_hit_tokens == 32 and plan.first_block == 2 and len(plan.block_ids) == 1
+    dec.cancel_import("y", recompute=True)  # pretend the pull failed: recompute locally
+    got = _drain(dec)[0]
+    assert got == make_llm().generate([p], GREEDY)[0].completions[0].token_ids
+    pre.release_held("y")
+    # max_tokens=1: the first token ends the request; nothing is imported or held.
+    one = SamplingParams(temperature=0, max_tokens=1)
+    firsts, _ = _prefill_on(pre, "z", p, one)
+    assert "z" not in pre.held
+    plan = dec.reserve_import("z", p, one, firsts)
+    assert plan.block_ids == [] and not plan.recompute
+    out = dec.step()
+    assert out[0].finished and out[0].samples[0].finish_reason is FinishReason.LENGTH
+    assert out[0].samples[0].token_ids == [firsts[0]]
+    for eng in (pre, dec):
+        eng.check_integrity()
+        assert eng.block_manager.usage() == 0.0

@@ -2,9 +2,10 @@
 
 conftest.py sets TRITON_INTERPRET=1 before triton is imported, so the kernels run on CPU
 tensors. The interpreter costs ~3.5 ms per loop iteration of a program, so shapes are
-small: few sequences, 2 KV heads, contexts under ~100 positions, BLOCK_N = BLOCK_M = 16
-(the smallest tile `tl.dot` takes on a GPU) so that short contexts still span several
-loop iterations and several cache blocks.
+small: few sequences, 2 KV heads, contexts under ~100 positions, and 16-wide tiles (the
+kernels' minimum) so that short contexts still span several loop iterations: decode steps
+of 16 positions cover two blocks of 8 or half a block of 32; prefill uses 16-row tiles
+and steps of max(16, block_size).
 
 Every input is random (randn K/V in every cache block, used or not; block tables drawn
 from a random permutation of the pool), and context lengths are chosen per block size to
@@ -20,13 +21,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import builders
 import pytest
 import torch
+from builders import PagedSession, hf_greedy, load_hf, tiny_checkpoint
 
 from pagedserve.common.attention.base import AttentionMetadata
 from pagedserve.common.attention.triton_backend import TritonAttentionBackend
 from pagedserve.common.attention.triton_decode import paged_decode_attention
 from pagedserve.common.attention.triton_prefill import paged_prefill_attention
+from pagedserve.common.loader import load_model
 
 # Relative error ||out - ref|| / ||ref|| against a fp32 reference over the same inputs.
 # fp32: the kernels compute in fp32 throughout; only the summation order differs from the
@@ -181,9 +185,9 @@ def test_decode_bf16_and_odd_head_dim() -> None:
 
 
 def prefill_shapes(block_size: int) -> tuple[list[int], list[int]]:
-    """(query_lens, seq_lens): cached prefix ending mid-block, on a boundary, none, and a
-    multi-tile prompt whose context ends one short of a boundary."""
-    query_lens = [5, block_size, 2 * block_size - 3, 1]
+    """(query_lens, seq_lens): a cached prefix ending mid-block, one ending on a boundary,
+    a fresh prompt ending mid-block, and one new token completing a block."""
+    query_lens = [5, block_size, block_size + 5, 1]
     cached = [block_size + 3, 2 * block_size, 0, block_size - 1]
     return query_lens, [c + n for c, n in zip(cached, query_lens, strict=True)]
 
@@ -209,7 +213,7 @@ def run_prefill_case(
         scale,
         max_query_len=max(query_lens),
         block_m=TILE,
-        block_n=TILE,
+        block_n=max(TILE, block_size),  # decode covers steps shorter than a block
     )
     ref = reference_attention(q, k_cache, v_cache, tables, query_lens, seq_lens, scale)
     assert out.dtype == dtype and out.shape == q.shape
@@ -364,3 +368,45 @@ def test_kernels_compile_for_a_gpu(tmp_path: Path) -> None:
     results = json.loads(report.read_text())
     assert [r["kernel"] for r in results] == ["decode", "merge", "prefill"]
     assert all(r["ok"] and 0 < r["shared_bytes"] <= r["limit_bytes"] for r in results)
+
+
+# ---- the model on the Triton backend ----------------------------------------------
+
+
+def _prompt(n: int, salt: int) -> list[int]:
+    return [3 + (i * 37 + salt * 11) % (builders.TINY_VOCAB - 3) for i in range(n)]
+
+
+def test_tiny_model_on_triton_backend_matches_transformers() -> None:
+    """Greedy decoding of the tiny Qwen3 (9 q over 3 KV heads, head_dim 16, 2 layers) with
+    every attention on the Triton kernels equals `transformers` generate, token for token.
+    Step 1 prefills prompts of 3, 16 and 21 tokens (block size 8: mid-block and on a
+    boundary); step 2 is a mixed batch: a prompt whose first 2 blocks are a prefix-cache
+    hit on prompt c's blocks is prefilled while a, b and c decode; then all decode."""
+    path = tiny_checkpoint("qwen3")
+    model = load_model(str(path), attention_backend="triton").model
+    assert model.attention_backend.name == "triton"
+    steps = 14
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: OpenMP barriers on 2 shared cores cost more
+    try:
+        sess = PagedSession(model, num_blocks=64, block_size=8, seed=1)
+        prompts = {"a": _prompt(3, 1), "b": _prompt(16, 2), "c": _prompt(21, 3)}
+        for name, p in prompts.items():
+            sess.add(name, p)
+        prefill, decode = list(prompts), []
+        for step in range(steps):
+            if step == 1:
+                prompts["later"] = prompts["c"][:16] + _prompt(5, 5)
+                sess.add_with_prefix("later", prompts["later"], "c", n_blocks=2)
+                prefill, decode = ["later"], ["a", "b", "c"]
+            for name, row in sess.step(prefill, decode).items():
+                sess.seqs[name].tokens.append(int(row.argmax()))
+            prefill, decode = [], list(prompts)
+        hf = load_hf(path)
+        for name, p in prompts.items():
+            ours = sess.seqs[name].tokens[len(p) :]
+            assert len(ours) == (steps - 1 if name == "later" else steps)
+            assert ours == hf_greedy(hf, p, len(ours)), f"prompt {name}"
+    finally:
+        torch.set_num_threads(threads)

@@ -206,12 +206,13 @@ class ShmTransport(KVTransport):
         positions = positions_of(first.block_ids, spec.block_ids)
         n = len(positions)
         contiguous = positions == list(range(positions[0], positions[0] + n))
+        index = torch.tensor(positions)
         for row in range(2 * (spec.layer_end - spec.layer_start)):
             layer, kv = spec.layer_start + row // 2, row % 2
             if contiguous:  # a run of blocks (e.g. the suffix a prefix hit leaves): a view
                 data = payload[layer, kv, positions[0] : positions[0] + n]
             else:
-                data = payload[layer, kv].index_select(0, torch.tensor(positions))
+                data = payload[layer, kv].index_select(0, index)
             sink.write_units(row * n, data)
         nbytes = sub_header.num_units * sub_header.unit_bytes
         return PullResult("shm", n, spec.layer_start, spec.layer_end, nbytes, len(segment.headers))

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from pagedserve.common import sampler as sampler_module
 from pagedserve.common.sampler import SampleOutput, Sampler, make_generator
 from pagedserve.common.sampling_params import SamplingParams
 
@@ -261,6 +262,24 @@ def test_top_p_falls_back_to_a_full_sort_when_the_top_256_are_not_enough() -> No
     kept = reference_kept(row, params)
     assert len(kept) == 286  # more than the 256 candidates
     assert support(row, params, draws=8000) == kept
+
+
+def test_top_p_candidate_levels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the levels shrunk to (64, 128): cuts before 64, between 64 and 128, and past
+    128 (full sort) in one batch, each row exact."""
+    monkeypatch.setattr(sampler_module, "_TOP_P_CANDIDATES", (64, 128))
+    g = torch.Generator().manual_seed(11)
+    row = torch.linspace(1.0, 0.0, 400)[torch.randperm(400, generator=g)]  # near-flat
+    cases = [(0.1, 27), (0.3, 85), (0.6, 191)]  # (top_p, tokens kept) by reference
+    draws = 5000
+    logits = row.expand(draws * len(cases), -1).contiguous()
+    params = [SamplingParams(top_p=p) for p, _ in cases for _ in range(draws)]
+    gen = make_generator(3)
+    out = run(logits, params, [gen] * len(params)).token_ids
+    for c, (top_p, n_kept) in enumerate(cases):
+        kept = reference_kept(row, SamplingParams(top_p=top_p))
+        assert len(kept) == n_kept
+        assert set(out[c * draws : (c + 1) * draws]) == kept
 
 
 # --- repetition penalty -------------------------------------------------------------

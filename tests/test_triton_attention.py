@@ -34,12 +34,12 @@ from pagedserve.common.loader import load_model
 
 # Relative error ||out - ref|| / ||ref|| against a fp32 reference over the same inputs.
 # fp32: the kernels compute in fp32 throughout; only the summation order differs from the
-#   reference (measured ~2e-7).
+#   reference (measured <= 2.2e-7).
 FP32_TOL = 1e-5
 # fp16: softmax probabilities are rounded to fp16 before the P @ V product and the output
-#   is rounded to fp16, each a relative error up to 2**-11 ~ 4.9e-4 (measured ~2.5e-4).
+#   is rounded to fp16, each a relative error up to 2**-11 ~ 4.9e-4 (measured <= 2.3e-4).
 FP16_TOL = 2e-3
-# bf16: 8-bit mantissa, each rounding up to 2**-8 ~ 3.9e-3 (measured ~3.3e-3). The
+# bf16: 8-bit significand, each rounding up to 2**-8 ~ 3.9e-3 (measured <= 3.3e-3). The
 #   interpreter's bf16 `tl.dot` is broken, so there the kernels upcast dot operands to fp32
 #   (DOT_FP32); the roundings of P and of the output remain.
 BF16_TOL = 1.6e-2

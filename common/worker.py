@@ -1,0 +1,181 @@
+"""What every worker process runs, whatever its role: an engine on its own thread,
+a gRPC server, a KV exporter, and heartbeats to the registry.
+
+The role-specific servicers live in `prefill_worker/` and `decode_worker/`; the Ray
+actors that host a runtime live there too. A runtime also runs without Ray (tests,
+a single process), which is how the roles are tested one by one.
+
+This module is an edge (gRPC), not part of the engine core.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Literal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.engine import LLMEngine
+from pagedserve.common.engine_loop import EngineLoop
+from pagedserve.common.loader import LoadedModel
+from pagedserve.kvtransfer.handle import local_host_id
+from pagedserve.kvtransfer.source import KVSource, add_kvtransfer_service
+from pagedserve.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+Pool = Literal["prefill", "decode", "colocated"]
+POOL_TO_PB = {
+    "prefill": worker_pb2.WORKER_POOL_PREFILL,
+    "decode": worker_pb2.WORKER_POOL_DECODE,
+    "colocated": worker_pb2.WORKER_POOL_COLOCATED,
+}
+# KV chunks are <= 1 MiB; prompts of the largest contexts still fit one message.
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker_id: str
+    pool: Pool
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"  # where the gRPC server listens
+    port: int = 0  # 0 = any free port
+    advertise_host: str | None = None  # the address others dial; None = `host`
+    registry_address: str | None = None  # the router's Registry service (host:port)
+    heartbeat_interval_s: float = 1.0
+    lease_ttl_s: float = 30.0  # exported KV not pulled within this is freed and counted
+    kv_transport: Literal["auto", "shm", "grpc"] = "auto"
+    transfer_failure_policy: Literal["recompute", "fail"] = "recompute"
+    model_name: str = ""
+    max_rpc_threads: int = 128  # each open Decode stream holds one
+
+    def __post_init__(self) -> None:
+        if self.pool not in POOL_TO_PB:
+            raise ValueError(f"pool must be one of {sorted(POOL_TO_PB)}, got {self.pool!r}")
+        if self.heartbeat_interval_s <= 0 or self.lease_ttl_s <= 0:
+            raise ValueError("heartbeat_interval_s and lease_ttl_s must be > 0")
+
+
+class WorkerRuntime:
+    """Engine + gRPC server + KV exporter + registry heartbeats of one worker."""
+
+    def __init__(self, config: WorkerConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.engine = LLMEngine(config.engine, loaded)
+        self.loop = EngineLoop(self.engine, name=f"engine-{config.worker_id}")
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.max_rpc_threads),
+            options=GRPC_OPTIONS,
+        )
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        self.address = f"{config.advertise_host or config.host}:{self.port}"
+        self.host_id = local_host_id()
+        self.kv_source = KVSource(
+            host_id=self.host_id,
+            transfer_address=self.address,
+            use_shm=config.kv_transport != "grpc",
+            default_ttl_s=config.lease_ttl_s,
+            on_expire=self._on_lease_expired,
+        )
+        add_kvtransfer_service(self.server, self.kv_source)
+        worker_pb2_grpc.add_WorkerStatusServicer_to_server(_StatusServicer(self), self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.loop.step_hooks.append(lambda _engine: self.kv_source.expire())
+        self._stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> WorkerRuntime:
+        self.loop.start()
+        self.server.start()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        if self.config.registry_address:
+            self._heartbeat_thread = threading.Thread(
+                target=self._heartbeat_loop, name="heartbeat", daemon=True
+            )
+            self._heartbeat_thread.start()
+        logger.info(
+            "worker %s (%s) serving on %s", self.config.worker_id, self.config.pool, self.address
+        )
+        return self
+
+    def stop(self, grace: float = 1.0) -> None:
+        self._stop.set()
+        self.health.enter_graceful_shutdown()
+        if self.config.registry_address:
+            try:
+                with grpc.insecure_channel(self.config.registry_address) as ch:
+                    worker_pb2_grpc.RegistryStub(ch).Goodbye(
+                        worker_pb2.GoodbyeRequest(worker_id=self.config.worker_id), timeout=1.0
+                    )
+            except grpc.RpcError:
+                pass  # the router is gone too; its heartbeat timeout drops us
+        self.server.stop(grace).wait()
+        self.loop.stop()
+        self.kv_source.close()
+
+    # -- status -------------------------------------------------------------------
+
+    def _on_lease_expired(self, lease_id: str) -> None:
+        logger.warning("lease %s expired unpulled; its KV was freed", lease_id)
+
+    def stats(self) -> worker_pb2.WorkerStats:
+        s = self.loop.call(lambda e: e.stats())
+        bm = self.engine.block_manager.stats()
+        return worker_pb2.WorkerStats(
+            worker_id=self.config.worker_id,
+            pool=POOL_TO_PB[self.config.pool],
+            address=self.address,
+            host_id=self.host_id,
+            model_name=self.config.model_name or self.engine.model_id,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_usage=s.kv_usage,
+            num_free_blocks=s.num_free_blocks,
+            num_cached_blocks=bm.num_cached_free,
+            num_total_blocks=s.num_blocks,
+            open_leases=self.kv_source.open_leases,
+            expired_leases_total=self.kv_source.expired_total,
+            timestamp_unix_ms=int(time.time() * 1000),
+            block_size=self.engine.block_manager.block_size,
+            num_preemptions=s.num_preemptions,
+            prefix_query_tokens=s.prefix_query_tokens,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        self.loop.call(lambda e: e.check_integrity())
+
+    def _heartbeat_loop(self) -> None:
+        assert self.config.registry_address
+        channel = grpc.insecure_channel(self.config.registry_address)
+        stub = worker_pb2_grpc.RegistryStub(channel)
+        while not self._stop.is_set():
+            try:
+                stub.Heartbeat(worker_pb2.HeartbeatRequest(stats=self.stats()), timeout=2.0)
+            except grpc.RpcError as e:
+                logger.debug("heartbeat to %s failed: %s", self.config.registry_address, e)
+            except Exception:
+                logger.exception("heartbeat failed")
+            self._stop.wait(self.config.heartbeat_interval_s)
+        channel.close()
+
+
+class _StatusServicer(worker_pb2_grpc.WorkerStatusServicer):
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
+
+    def GetStats(self, request, context):  # noqa: N802 (gRPC method name)
+        return self.runtime.stats()

@@ -1,0 +1,65 @@
+"""Starting a worker: the runtime plus the servicers of both roles.
+
+Every worker serves Prefill (with ReleaseLease and KVTransfer: any worker can export
+KV it holds) and Decode (a decode worker prefills locally when the router sends no
+KV handle). Its pool only says which requests the router sends it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from pagedserve.common.loader import LoadedModel
+from pagedserve.common.worker import WorkerConfig, WorkerRuntime
+from pagedserve.decode_worker.servicer import DecodeServicer
+from pagedserve.prefill_worker.servicer import PrefillServicer
+from pagedserve.v1 import worker_pb2_grpc
+
+
+def start_worker(config: WorkerConfig, loaded: LoadedModel | None = None) -> WorkerRuntime:
+    """Loads the engine, registers the servicers, starts serving; returns the runtime."""
+    rt = WorkerRuntime(config, loaded)
+    worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(rt), rt.server)
+    worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(rt), rt.server)
+    return rt.start()
+
+
+class WorkerActor:
+    """The body of a worker's Ray actor (the roles' actor classes wrap it).
+
+    Kept free of `ray` so it runs (and is tested) as a plain object too; the
+    launcher applies `ray.remote` with restart and placement options.
+    """
+
+    def __init__(self, config: WorkerConfig, log_level: str = "INFO") -> None:
+        logging.basicConfig(
+            level=log_level, format=f"%(asctime)s {config.worker_id} %(name)s: %(message)s"
+        )
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        if config.engine.num_threads:
+            import torch
+
+            torch.set_num_threads(config.engine.num_threads)
+        self.config = config
+        self.runtime = start_worker(config)
+
+    def address(self) -> str:
+        return self.runtime.address
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def stats(self) -> bytes:
+        """WorkerStats, serialized (protobuf messages do not pickle across Ray)."""
+        return self.runtime.stats().SerializeToString()
+
+    def check_integrity(self) -> bool:
+        self.runtime.check_integrity()
+        return True
+
+    def open_leases(self) -> int:
+        return self.runtime.kv_source.open_leases()
+
+    def stop(self) -> None:
+        self.runtime.stop()

@@ -68,16 +68,20 @@ class Row:
 # ---- timing ---------------------------------------------------------------------------
 
 
-def time_ms(fn: Callable[[], object], device: torch.device) -> tuple[float, str]:
+def time_ms(
+    fn: Callable[[], object], device: torch.device, eager: bool = False
+) -> tuple[float, str]:
     """(median milliseconds of one call of fn, how it was timed).
 
     CUDA: replayed from a CUDA graph (`do_bench_cudagraph`), so host launch overhead is
-    not counted: the figure is the GPU's. Falls back to eager `do_bench` (L2 flushed
-    between calls) if fn cannot be captured. CPU: wall clock, median of >= 3 calls.
+    not counted: the figure is the GPU's. Eager `do_bench` (launch overhead included)
+    with `eager`, or if fn cannot be captured. CPU: wall clock, median of >= 3 calls.
     """
     if device.type == "cuda":
         from triton.testing import do_bench, do_bench_cudagraph
 
+        if eager:
+            return float(do_bench(fn, warmup=25, rep=100, return_mode="median")), "eager"
         try:
             return float(do_bench_cudagraph(fn, rep=100, return_mode="median")), "cudagraph"
         except Exception as e:  # capture refused: time eagerly instead, and say so
@@ -240,7 +244,9 @@ def bench_point(
     ref = sdpa_fn(case, 1)()
     fns = {"sdpa": sdpa_fn(case, copies)}
     fns.update({name: backend_fn(b, case, copies) for name, b in backends.items()})
-    timed = {name: time_ms(fn, device) for name, fn in fns.items() if name in args.backends}
+    timed = {
+        name: time_ms(fn, device, args.eager) for name, fn in fns.items() if name in args.backends
+    }
     times = {name: ms / copies for name, (ms, _) in timed.items()}
     rows = []
     for name, ms in times.items():
@@ -339,6 +345,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--rotate-mib", type=int, default=256,
         help="rotate through K/V copies totalling at least this much (cache-cold reads)",
     )  # fmt: skip
+    p.add_argument("--eager", action="store_true", help="CUDA: time eagerly, not from a graph")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)

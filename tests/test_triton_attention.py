@@ -410,3 +410,29 @@ def test_tiny_model_on_triton_backend_matches_transformers() -> None:
             assert ours == hf_greedy(hf, p, len(ours)), f"prompt {name}"
     finally:
         torch.set_num_threads(threads)
+
+
+# ---- the benchmark runs end to end on CPU -----------------------------------------
+
+
+def test_attention_benchmark_runs_on_cpu(tmp_path: Path) -> None:
+    """`benchmarks/attention.py` on a one-point grid: torch backend and dense SDPA rows in
+    the JSON, the backend's output equal to SDPA's, bandwidths against a measured copy."""
+    from benchmarks import attention
+
+    report = tmp_path / "attention.json"
+    argv = ["--device", "cpu", "--batch", "2", "--context", "40"]
+    assert attention.main([*argv, "--rotate-mib", "1", "--json", str(report)]) == 0
+    data = json.loads(report.read_text())
+    rows = data["results"]
+    assert [(r["batch"], r["context"], r["backend"]) for r in rows] == [
+        (2, 40, "sdpa"),
+        (2, 40, "torch"),
+    ]
+    assert data["copy_bandwidth_gbs"] > 0
+    torch_row = rows[1]
+    assert torch_row["max_rel_err"] < FP32_TOL
+    assert torch_row["ms_per_step"] == pytest.approx(30 * torch_row["ms_per_layer"])
+    assert torch_row["vs_sdpa"] == pytest.approx(
+        rows[0]["ms_per_layer"] / torch_row["ms_per_layer"]
+    )

@@ -61,9 +61,6 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._stops = tuple(stop)
-        # All proper prefixes of the stop strings: what may be held back.
-        self._stop_prefixes = frozenset(s[:k] for s in self._stops for k in range(1, len(s)))
-        self._max_hold = max((len(s) - 1 for s in self._stops), default=0)
         # Only the prompt's tail is kept: it is decoding context, never output.
         self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._prefix_offset = 0
@@ -139,8 +136,16 @@ class IncrementalDetokenizer:
         return None if best is None else (best[0], best[2])
 
     def _hold_length(self, buf: str) -> int:
-        """Length of the longest suffix of buf that is a proper prefix of a stop string."""
-        for k in range(min(self._max_hold, len(buf)), 0, -1):
-            if buf[-k:] in self._stop_prefixes:
-                return k
-        return 0
+        """Length of the longest suffix of buf that is a proper prefix of a stop string.
+
+        Per stop string, candidate starts are the places its first character occurs in
+        the last len(stop) - 1 characters; the earliest that matches is the longest."""
+        hold = 0
+        for s in self._stops:
+            i = buf.find(s[0], max(0, len(buf) - len(s) + 1))
+            while i != -1:
+                if s.startswith(buf[i:]):
+                    hold = max(hold, len(buf) - i)
+                    break
+                i = buf.find(s[0], i + 1)
+        return hold

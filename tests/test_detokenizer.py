@@ -191,6 +191,34 @@ def test_held_text_never_exceeds_longest_stop_minus_one(tokenizer) -> None:
     assert det.text + det.flush() == text
 
 
+def test_stop_strings_against_a_reference_on_random_text(raw_tokenizer) -> None:
+    """Random text over a 3-letter alphabet with random stops: the output is the text up
+    to the first token after which some stop occurs, cut at the earliest such stop."""
+    rng = random.Random(1)
+    tok = raw_tokenizer
+    for trial in range(300):
+        text = "".join(rng.choice("ab e") for _ in range(rng.randrange(1, 30)))
+        stops = ["".join(rng.choice("ab e") for _ in range(rng.randrange(1, 5))) for _ in "xy"]
+        ids = ids_of(tok, text)
+        expected, reason = text, None
+        for t in range(1, len(ids) + 1):
+            so_far = tok.decode(ids[:t])
+            found = [(so_far.find(s), len(s), s) for s in stops if s in so_far]
+            if found:
+                start, _, reason = min(found)
+                expected = so_far[:start]
+                break
+        det = IncrementalDetokenizer(tok, [5], stops)
+        streamed = ""
+        for n, t in enumerate(ids, start=1):
+            streamed += det.add(t)
+            if det.stopped:
+                break
+            assert len(tok.decode(ids[:n])) - len(det.text) <= 3  # held <= max len - 1
+        streamed += det.flush()
+        assert (streamed, det.stop_reason) == (expected, reason), f"trial {trial}"
+
+
 def test_empty_stop_string_is_rejected(tokenizer) -> None:
     with pytest.raises(ValueError, match="stop strings must not be empty"):
         IncrementalDetokenizer(tokenizer, [1], stop=["ok", ""])

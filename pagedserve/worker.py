@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 from pagedserve.common.loader import LoadedModel
 from pagedserve.common.worker import WorkerConfig, WorkerRuntime
@@ -41,6 +42,10 @@ class WorkerActor:
             import torch
 
             torch.set_num_threads(config.engine.num_threads)
+        if config.advertise_host == "auto":  # listening on 0.0.0.0: advertise this node's IP
+            import ray
+
+            config = replace(config, advertise_host=ray.util.get_node_ip_address())
         self.config = config
         self.runtime = start_worker(config)
 

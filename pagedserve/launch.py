@@ -1,0 +1,293 @@
+"""`pagedserve up`: bring up a router and Ray-managed prefill and decode workers.
+
+Ray is the control plane: it starts the worker actors, places them (on GPUs where
+there are some), and restarts one that dies (`max_restarts=-1`); a restarted worker
+registers itself again with the router through its heartbeats, under the same
+worker id. gRPC is the data plane. The router runs in this (the driver's) process.
+
+    pagedserve up                         # 1 prefill + 1 decode, default model, serve
+    pagedserve up --demo "Hi there"       # ... answer one chat request, then stop
+    pagedserve up --ray-address auto --listen-host 0.0.0.0   # join a `ray start` cluster
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pagedserve.common.config import CacheConfig, EngineConfig, GiB, SchedulerConfig
+from pagedserve.common.worker import WorkerConfig
+
+logger = logging.getLogger("pagedserve.launch")
+
+
+@dataclass
+class ClusterSpec:
+    model: str | None = None
+    num_prefill: int = 1
+    num_decode: int = 1
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    router_host: str = "127.0.0.1"
+    router_port: int = 50051
+    listen_host: str = "127.0.0.1"  # where workers listen; "0.0.0.0" across machines
+    ray_address: str | None = None  # None: a private local Ray; "auto": join `ray start`
+    num_cpus: int | None = None  # for a private local Ray
+    gpus_per_worker: float = 0.0
+    redis_url: str | None = None
+    lease_ttl_s: float = 30.0
+    heartbeat_interval_s: float = 1.0
+    worker_timeout_s: float = 3.0
+    disagg_min_prompt_tokens: int = 0
+    kv_transport: str = "auto"
+    log_level: str = "WARNING"
+    router_options: dict[str, Any] = field(default_factory=dict)
+
+
+class Cluster:
+    """A router in this process plus worker actors in Ray; `stop()` tears it all down."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.router: Any = None
+        self.prefill: list[Any] = []
+        self.decode: list[Any] = []
+        self._owns_ray = False
+
+    # -- bring-up -----------------------------------------------------------------------
+
+    def start(self, progress=print, timeout_s: float = 600.0) -> Cluster:
+        import ray
+
+        from pagedserve.router.server import RouterConfig, start_router_in_thread
+
+        spec = self.spec
+        if not ray.is_initialized():
+            progress("starting Ray ...")
+            if spec.ray_address is None:
+                # A private single-machine Ray, bound to loopback (see ENV notes).
+                os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+                ray.init(
+                    address="local",
+                    num_cpus=spec.num_cpus,
+                    include_dashboard=False,
+                    logging_level=logging.WARNING,
+                    runtime_env={"env_vars": _worker_env()},
+                )
+            else:
+                ray.init(address=spec.ray_address, logging_level=logging.WARNING)
+            self._owns_ray = True
+        progress("starting the router ...")
+        self.router = start_router_in_thread(
+            RouterConfig(
+                host=spec.router_host,
+                port=spec.router_port,
+                model=spec.model,
+                worker_timeout_s=spec.worker_timeout_s,
+                disagg_min_prompt_tokens=spec.disagg_min_prompt_tokens,
+                **spec.router_options,
+            )
+        )
+        progress(f"router listening on {self.router.address}")
+        progress(
+            f"starting {spec.num_prefill} prefill + {spec.num_decode} decode worker(s) "
+            "(loading the model) ..."
+        )
+        for i in range(spec.num_prefill):
+            self.prefill.append(self._spawn("prefill", i))
+        for i in range(spec.num_decode):
+            self.decode.append(self._spawn("decode", i))
+        t0 = time.monotonic()
+        for actor in self.prefill + self.decode:
+            remaining = max(1.0, timeout_s - (time.monotonic() - t0))
+            address = ray.get(actor.address.remote(), timeout=remaining)
+            progress(f"  worker up at {address} ({time.monotonic() - t0:.0f} s)")
+        self.wait_registered(timeout_s=30.0)
+        progress("cluster ready")
+        return self
+
+    def _spawn(self, pool: str, index: int) -> Any:
+        import ray
+
+        from pagedserve.decode_worker.actor import DecodeWorkerActor
+        from pagedserve.prefill_worker.actor import PrefillWorkerActor
+
+        spec = self.spec
+        cls = PrefillWorkerActor if pool == "prefill" else DecodeWorkerActor
+        cfg = WorkerConfig(
+            worker_id=f"{pool}-{index}",
+            pool=pool,  # type: ignore[arg-type]
+            engine=replace(spec.engine, model=spec.model),
+            host=spec.listen_host,
+            advertise_host=None if spec.listen_host != "0.0.0.0" else "auto",
+            registry_address=self.router.address,
+            heartbeat_interval_s=spec.heartbeat_interval_s,
+            lease_ttl_s=spec.lease_ttl_s,
+            kv_transport=spec.kv_transport,  # type: ignore[arg-type]
+        )
+        remote_cls = ray.remote(cls).options(
+            name=f"pagedserve-{pool}-{index}",
+            max_restarts=-1,  # Ray restarts a dead worker; it re-registers by heartbeat
+            max_task_retries=0,
+            max_concurrency=8,
+            num_cpus=0,  # torch threads are set by EngineConfig.num_threads instead
+            num_gpus=spec.gpus_per_worker,
+        )
+        return remote_cls.remote(cfg, spec.log_level)
+
+    def wait_registered(self, timeout_s: float = 30.0) -> None:
+        """Until the router routes to every worker (its registry saw their heartbeats)."""
+        want = {f"prefill-{i}" for i in range(self.spec.num_prefill)}
+        want |= {f"decode-{i}" for i in range(self.spec.num_decode)}
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if want <= set(self.router.live_worker_ids()):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(
+            f"workers {sorted(want - set(self.router.live_worker_ids()))} never registered"
+        )
+
+    @property
+    def address(self) -> str:
+        return self.router.address
+
+    # -- tear-down ----------------------------------------------------------------------
+
+    def stop(self) -> None:
+        import ray
+
+        for actor in self.prefill + self.decode:
+            try:
+                ray.get(actor.stop.remote(), timeout=10)
+            except Exception as e:  # already dead: nothing to stop
+                logger.debug("stopping an actor failed: %s", e)
+            ray.kill(actor, no_restart=True)
+        self.prefill, self.decode = [], []
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+        if self._owns_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _worker_env() -> dict[str, str]:
+    keep = (
+        "HF_HUB_OFFLINE",
+        "PAGEDSERVE_CACHE_DIR",
+        "TRITON_INTERPRET",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+    )
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+# -- the command -----------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedserve up", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--model", default=None, help="HF checkpoint dir (default: SmolLM2-135M-Instruct)"
+    )
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--port", type=int, default=50051, help="router port")
+    p.add_argument("--host", default="127.0.0.1", help="router listen address")
+    p.add_argument("--listen-host", default="127.0.0.1", help="workers' listen address")
+    p.add_argument("--ray-address", default=None, help="join a Ray cluster ('auto' = ray start)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache budget per worker")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--threads-per-worker", type=int, default=None, help="torch threads")
+    p.add_argument("--gpus-per-worker", type=float, default=0.0)
+    p.add_argument("--redis-url", default=None, help="prefix index / registry in Redis")
+    p.add_argument(
+        "--demo", default=None, metavar="MESSAGE", help="answer one chat message, then stop"
+    )
+    p.add_argument("--max-tokens", type=int, default=64, help="for --demo")
+    p.add_argument("--log-level", default="WARNING")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
+    progress = _progress_printer()
+    from pagedserve.common.loader import is_default_model, resolve_model_dir
+
+    if is_default_model(args.model):
+        progress("preparing the default model (first run: dequantizing the GGUF, ~30 s) ...")
+    model_dir = resolve_model_dir(args.model, progress=progress)
+    spec = ClusterSpec(
+        model=str(model_dir),
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        engine=EngineConfig(
+            dtype=args.dtype,
+            device=args.device,
+            cache=CacheConfig(
+                block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gib * GiB)
+            ),
+            scheduler=SchedulerConfig(),
+            num_threads=args.threads_per_worker,
+        ),
+        router_host=args.host,
+        router_port=args.port,
+        listen_host=args.listen_host,
+        ray_address=args.ray_address,
+        gpus_per_worker=args.gpus_per_worker,
+        redis_url=args.redis_url,
+        log_level=args.log_level,
+    )
+    cluster = Cluster(spec)
+    try:
+        cluster.start(progress=progress)
+        if args.demo is not None:
+            return _demo(cluster.address, args.demo, args.max_tokens)
+        print(f"pagedserve serving on {cluster.address}  (Ctrl-C to stop)", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        progress("stopping ...")
+        cluster.stop()
+
+
+def _demo(address: str, message: str, max_tokens: int) -> int:
+    from pagedserve.router.client import Client
+
+    print(f"\nuser> {message}\nassistant> ", end="", flush=True)
+    with Client(address) as client:
+        for resp in client.generate(
+            messages=[{"role": "user", "content": message}], max_tokens=max_tokens, temperature=0.0
+        ):
+            print(resp.text, end="", flush=True)
+    print("\n")
+    return 0
+
+
+def _progress_printer():
+    t0 = time.monotonic()
+
+    def progress(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    return progress
+
+
+if __name__ == "__main__":
+    sys.exit(main())

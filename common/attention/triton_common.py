@@ -6,6 +6,7 @@ one kernel family and its launcher, and both reject bad input with the same word
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -103,7 +104,7 @@ def _check_device(*tensors: torch.Tensor) -> None:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
     device = devices.pop()
     if device.type == "cuda":
-        if tensors[0].dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        if tensors[0].dtype == torch.bfloat16 and not _cuda_has_bf16(device.index):
             raise RuntimeError(f"{torch.cuda.get_device_name(device)} has no bfloat16 support")
         return
     if device.type == "cpu" and is_interpreter():
@@ -112,6 +113,12 @@ def _check_device(*tensors: torch.Tensor) -> None:
         f"the Triton kernels need a CUDA device, or TRITON_INTERPRET=1 set before triton is "
         f"imported to run on CPU tensors; got device {device}"
     )
+
+
+@functools.cache
+def _cuda_has_bf16(index: int | None) -> bool:
+    """bf16 tensor-core math needs compute capability 8.0 (Ampere) or later."""
+    return torch.cuda.get_device_capability(index)[0] >= 8
 
 
 def dot_settings(dtype: torch.dtype) -> tuple[bool, str]:

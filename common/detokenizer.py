@@ -66,9 +66,16 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._held = ""  # decoded, complete text not yet emitted (may start a stop)
-        self.text = ""  # emitted so far, stop string excluded
+        self._chunks: list[str] = []  # emitted so far, joined on demand (no O(n^2) +=)
         self.stop_reason: str | None = None  # the stop string matched, once matched
         self.num_tokens = 0  # generated tokens added
+
+    @property
+    def text(self) -> str:
+        """Emitted text so far, the stop string excluded."""
+        if len(self._chunks) > 1:
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
 
     @property
     def stopped(self) -> bool:
@@ -106,9 +113,13 @@ class IncrementalDetokenizer:
     def _decode_new(self) -> str:
         """The text the new tokens complete; "" while a character is still incomplete."""
         _, new = self._decode_window()
-        if not new or new.endswith(_REPLACEMENT):
+        if new.endswith(_REPLACEMENT):
             return ""
-        self._prefix_offset = self._read_offset
+        if new:
+            self._prefix_offset = self._read_offset
+        else:  # decoded to nothing (a skipped special token): consume it, keep context,
+            # and keep the window short however many such tokens come in a row
+            self._prefix_offset = max(self._prefix_offset, len(self._ids) - _PROMPT_CONTEXT)
         self._read_offset = len(self._ids)
         return new
 
@@ -123,7 +134,8 @@ class IncrementalDetokenizer:
         else:
             hold = 0 if final else self._hold_length(buf)
             out, self._held = buf[: len(buf) - hold], buf[len(buf) - hold :]
-        self.text += out
+        if out:
+            self._chunks.append(out)
         return out
 
     def _find_stop(self, buf: str) -> tuple[int, str] | None:

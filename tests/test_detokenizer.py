@@ -104,6 +104,18 @@ def test_special_tokens_skipped_or_kept(tokenizer) -> None:
         assert "".join(det.add(t) for t in ids) + det.flush() == expected
 
 
+def test_many_skipped_special_tokens_keep_the_window_short(tokenizer) -> None:
+    ids = ids_of(tokenizer, "hello") + [0] * 50 + ids_of(tokenizer, " wor") + [0] * 3
+    ids += ids_of(tokenizer, "ld 日本")
+    det = IncrementalDetokenizer(tokenizer, [5])
+    windows = []
+    for t in ids:
+        det.add(t)
+        windows.append(len(det._ids) - det._prefix_offset)  # tokens decoded per step
+    assert det.text + det.flush() == "hello world 日本"
+    assert max(windows) <= 8
+
+
 # --- stop strings -------------------------------------------------------------------
 
 

@@ -328,6 +328,23 @@ def test_cache_sink_writes_only_the_destination_blocks(dtype):
     assert not bits(cache[:, :, others]).any()
 
 
+def test_sinks_write_into_non_contiguous_views():
+    blocks, chunks = _chunks(torch.bfloat16, ids=(0, 1, 2))
+    wide = torch.zeros(L, 2, NB, BS, KVH, 2 * HD, dtype=torch.bfloat16)
+    cache = wide[..., :HD]  # a strided view: the per-row fallback path
+    assert not cache.is_contiguous()
+    out = torch.zeros(L, 2, 5, BS, KVH, HD, dtype=torch.bfloat16)[:, :, 1:4]
+    assert not out.is_contiguous()
+    for sink in (CacheSink(cache, [4, 11, 2]), TensorSink(out)):
+        asm = ChunkAssembler(sink)
+        for c in chunks:
+            asm.add(c.header_bytes, c.payload)
+        asm.finish()
+    assert_bit_equal(cache[:, :, [4, 11, 2]], blocks)
+    assert_bit_equal(out, blocks)
+    assert not bits(wide[..., HD:]).any()
+
+
 def test_cache_sink_refuses_a_mismatched_transfer():
     _, chunks = _chunks(torch.float16, ids=(0, 1))
     cases = [

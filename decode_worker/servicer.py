@@ -117,7 +117,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             info.pulled_blocks = result.num_blocks
             info.pulled_bytes = result.payload_bytes
             self.rt.loop.call(lambda e: e.commit_import(rid))
-        except (KVTransferError, ValueError, grpc.RpcError) as e:
+        except (KVTransferError, ValueError, grpc.RpcError) as exc:
+            e = f"{type(exc).__name__}: {exc}"
             fail = request.on_transfer_failure == worker_pb2.TRANSFER_FAILURE_POLICY_FAIL or (
                 request.on_transfer_failure == worker_pb2.TRANSFER_FAILURE_POLICY_UNSPECIFIED
                 and self.rt.config.transfer_failure_policy == "fail"
@@ -128,7 +129,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             self.rt.loop.call(lambda eng: eng.cancel_import(rid, recompute=not fail))
             if fail:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"KV import failed: {e}")
-            info.transport, info.recomputed, info.error = "local", True, str(e)
+            info.transport, info.recomputed, info.error = "local", True, e
         finally:
             if kv.lease_id:
                 self._release_lease(kv.transfer_address, kv.lease_id)

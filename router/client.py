@@ -1,0 +1,170 @@
+"""A small synchronous client of the router's public API (the generated stubs).
+
+    >>> with Client("127.0.0.1:50051") as c:
+    ...     print(c.complete("The capital of France is", max_tokens=8, temperature=0))
+    ...     for r in c.generate(messages=[{"role": "user", "content": "Hi"}]):
+    ...         print(r.text, end="", flush=True)
+
+Sampling options are SamplingParams' field names; only those given are sent, so the
+server's defaults apply to the rest. Nothing is validated here beyond the input
+choice: the server's INVALID_ARGUMENT says what is wrong (`grpc.RpcError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.common.sequence import FinishReason
+from pagedserve.common.worker import GRPC_OPTIONS
+from pagedserve.v1 import generation_pb2 as gen_pb
+from pagedserve.v1 import generation_pb2_grpc
+
+SAMPLING_FIELDS = frozenset(gen_pb.SamplingParams.DESCRIPTOR.fields_by_name)
+_FINISH = {
+    gen_pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    gen_pb.FINISH_REASON_STOP: FinishReason.STOP,
+    gen_pb.FINISH_REASON_EOS: FinishReason.EOS,
+    gen_pb.FINISH_REASON_ABORT: FinishReason.ABORT,
+}
+
+
+@dataclass
+class Completion:
+    """One sample, assembled from its streamed responses."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_string: str | None = None
+    stop_token_id: int | None = None
+    usage: gen_pb.Usage | None = None
+    num_messages: int = 0
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    messages: Iterable[Mapping[str, str]] | None = None,
+    token_ids: Iterable[int] | None = None,
+    request_id: str | None = None,
+    cache_salt: str = "",
+    **sampling: object,
+) -> gen_pb.GenerateRequest:
+    """A GenerateRequest; raises ValueError unless exactly one input is given and
+    TypeError for an unknown sampling option."""
+    given = [
+        name
+        for name, v in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
+        if v is not None
+    ]
+    if len(given) != 1:
+        raise ValueError(
+            f"give exactly one of prompt, messages and token_ids, got {given or 'none'}"
+        )
+    unknown = sorted(set(sampling) - SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown sampling option(s) {unknown}; known: {sorted(SAMPLING_FIELDS)}")
+    req = gen_pb.GenerateRequest(cache_salt=cache_salt)
+    if request_id is not None:
+        req.request_id = request_id
+    if prompt is not None:
+        req.prompt = prompt
+    elif token_ids is not None:
+        req.prompt_token_ids.ids.extend(token_ids)
+        req.prompt_token_ids.SetInParent()
+    else:
+        assert messages is not None
+        turns = [gen_pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
+        req.messages.messages.extend(turns)
+        req.messages.SetInParent()
+    req.sampling.SetInParent()
+    for name, value in sampling.items():
+        if value is None:
+            continue
+        if name in ("stop", "stop_token_ids"):
+            values = [value] if isinstance(value, (str, int)) else list(value)  # type: ignore[arg-type]
+            getattr(req.sampling, name).extend(values)
+        else:
+            setattr(req.sampling, name, value)
+    return req
+
+
+class Client:
+    def __init__(self, address: str, timeout: float | None = None) -> None:
+        """timeout: default deadline of every call in seconds (None = no deadline)."""
+        self.address = address
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Iterable[Mapping[str, str]] | None = None,
+        token_ids: Iterable[int] | None = None,
+        request_id: str | None = None,
+        cache_salt: str = "",
+        timeout: float | None = None,
+        **sampling: object,
+    ) -> Iterator[gen_pb.GenerateResponse]:
+        """Streams responses as they come. The returned call is an iterator with
+        `.cancel()` (which aborts the request on every worker); errors surface as
+        `grpc.RpcError` while iterating."""
+        req = build_request(
+            prompt,
+            messages=messages,
+            token_ids=token_ids,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            **sampling,
+        )
+        return self.stub.Generate(req, timeout=timeout if timeout is not None else self.timeout)
+
+    def collect(self, *args: object, **kwargs: object) -> list[Completion]:
+        """Runs `generate(...)` to the end; one Completion per sample, by index."""
+        out: dict[int, Completion] = {}
+        for r in self.generate(*args, **kwargs):  # type: ignore[arg-type]
+            c = out.setdefault(r.index, Completion(r.index))
+            c.text += r.text
+            c.token_ids += r.token_ids
+            c.num_messages += 1
+            if r.finish_reason:
+                c.finish_reason = _FINISH[r.finish_reason]
+                c.usage = r.usage
+                which = r.WhichOneof("stop_matched")
+                if which == "stop_string":
+                    c.stop_string = r.stop_string
+                elif which == "stop_token_id":
+                    c.stop_token_id = r.stop_token_id
+        return [out[i] for i in sorted(out)]
+
+    def complete(self, *args: object, **kwargs: object) -> str:
+        """The text of a single-sample request (use `collect` for n > 1)."""
+        if (kwargs.get("n") or 1) != 1:
+            raise ValueError("complete() returns one text: use collect() when n > 1")
+        return self.collect(*args, **kwargs)[0].text
+
+    def model_info(self) -> gen_pb.ModelInfo:
+        return self.stub.GetModelInfo(gen_pb.GetModelInfoRequest(), timeout=self.timeout)
+
+    def health(self, service: str = "") -> int:
+        """The HealthCheckResponse status of `service` ("" = the router as a whole)."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        return stub.Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=self.timeout
+        ).status
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

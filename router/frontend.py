@@ -1,0 +1,192 @@
+"""The router's view of the model: tokenizer + config, and turning a GenerateRequest
+into the TokenizedRequest every worker receives.
+
+The router never loads weights: it reads the checkpoint's config (ModelSpec) and
+tokenizer, which is enough to tokenize, apply the chat template and validate a
+request with the same checks the engine runs (`SamplingParams.validate`,
+`validate_prompt`), so a bad request is refused before any worker sees it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf.message import Message
+
+from pagedserve.common.loader import DEFAULT_MODEL, is_default_model, resolve_model_dir
+from pagedserve.common.model_config import ModelSpec
+from pagedserve.common.protocol import sampling_from_pb
+from pagedserve.common.sampling_params import InvalidRequestError, validate_prompt
+from pagedserve.common.tokenizer import load_tokenizer
+from pagedserve.router.config import RouterConfig
+from pagedserve.v1 import generation_pb2 as gen_pb
+from pagedserve.v1 import worker_pb2
+
+
+@dataclass(frozen=True)
+class ResolvedRequest:
+    """A validated request, as token ids."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    tokenized: worker_pb2.TokenizedRequest  # what the workers receive
+    cache_salt: str | None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class ModelFrontend:
+    """Tokenizer, chat template and limits of the served model."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.model_dir = resolve_model_dir(config.model)
+        self.model_name = (
+            DEFAULT_MODEL if is_default_model(config.model) else self.model_dir.resolve().name
+        )
+        self.spec = ModelSpec.from_hf_config(
+            json.loads((self.model_dir / "config.json").read_text())
+        )
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.max_model_len = config.max_model_len or self.spec.max_model_len
+        self.max_n = config.max_n
+        self.max_logprobs = config.max_logprobs
+        self.eos_token_ids = self._eos_ids()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def _eos_ids(self) -> list[int]:
+        """The engine's EOS set: config, generation_config.json, and the tokenizer's.
+
+        Mirrors `loader._with_generation_eos` + LLMEngine.__init__ (same order).
+        """
+        ids = list(self.spec.eos_token_ids)
+        gen = Path(self.model_dir) / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids += [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return list(dict.fromkeys(int(i) for i in ids))
+
+    def model_info(self, block_size: int) -> gen_pb.ModelInfo:
+        return gen_pb.ModelInfo(
+            model_name=self.model_name,
+            max_context_len=self.max_model_len,
+            block_size=block_size,
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            has_chat_template=self.has_chat_template,
+        )
+
+    # -- requests -----------------------------------------------------------------
+
+    def resolve(self, request: gen_pb.GenerateRequest) -> ResolvedRequest:
+        """Validates and tokenizes; raises InvalidRequestError naming what is wrong."""
+        check_known_fields(request)
+        params = sampling_from_pb(request.sampling)
+        params.validate(
+            vocab_size=self.vocab_size, max_n=self.max_n, max_logprobs=self.max_logprobs
+        )
+        ids = self.prompt_ids(request)
+        validate_prompt(
+            ids,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            max_tokens=params.max_tokens,
+        )
+        rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
+        if not rid:
+            raise InvalidRequestError("request_id must not be empty (leave it unset instead)")
+        tokenized = worker_pb2.TokenizedRequest(
+            request_id=rid,
+            prompt_token_ids=ids,
+            sampling=request.sampling,
+            cache_salt=request.cache_salt,
+        )
+        return ResolvedRequest(rid, ids, tokenized, request.cache_salt or None)
+
+    def prompt_ids(self, request: gen_pb.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("input")
+        if which is None:
+            raise InvalidRequestError(
+                "the request has no input: set exactly one of prompt, prompt_token_ids and messages"
+            )
+        if which == "prompt":
+            if not request.prompt:
+                raise InvalidRequestError("prompt is empty: give at least one character")
+            return list(self.tokenizer(request.prompt).input_ids)
+        if which == "prompt_token_ids":
+            return list(request.prompt_token_ids.ids)
+        return self.chat_ids(request.messages.messages)
+
+    def chat_ids(self, messages) -> list[int]:
+        """The chat template + generation prompt, tokenized as LLMEngine.apply_chat_template."""
+        if not self.has_chat_template:
+            raise InvalidRequestError(
+                f"model {self.model_name!r} has no chat template: send a prompt instead of messages"
+            )
+        if not messages:
+            raise InvalidRequestError("messages is empty: give at least one chat turn")
+        turns = []
+        for i, m in enumerate(messages):
+            if not m.role:
+                raise InvalidRequestError(f"messages[{i}].role is empty (e.g. 'user')")
+            turns.append({"role": m.role, "content": m.content})
+        try:
+            text = self.tokenizer.apply_chat_template(
+                turns, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # jinja raises TemplateError (or raise_exception's own)
+            raise InvalidRequestError(f"the chat template rejected the messages: {e}") from e
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def check_known_fields(msg: Message, path: str = "") -> None:
+    """Refuses fields and enum values this server does not know.
+
+    proto3 keeps unknown fields (a newer client's option) and unknown enum numbers
+    silently; acting as if they were absent would change the request's meaning, so
+    they are INVALID_ARGUMENT here, with the field's path.
+    """
+    name = path or msg.DESCRIPTOR.name
+    unknown = _unknown_field_numbers(msg)
+    if unknown:
+        raise InvalidRequestError(
+            f"{name} has unknown field number(s) {unknown}: this server does not support them"
+        )
+    for fd, value in msg.ListFields():
+        sub = f"{path}.{fd.name}" if path else fd.name
+        values = value if _is_repeated(fd) else [value]
+        if fd.message_type is not None:
+            if fd.message_type.GetOptions().map_entry:
+                continue
+            for i, v in enumerate(values):
+                check_known_fields(v, f"{sub}[{i}]" if _is_repeated(fd) else sub)
+        elif fd.enum_type is not None:
+            for v in values:
+                if v not in fd.enum_type.values_by_number:
+                    known = ", ".join(e.name for e in fd.enum_type.values)
+                    raise InvalidRequestError(
+                        f"{sub} has unknown value {v}: expected one of {known}"
+                    )
+
+
+def _is_repeated(fd) -> bool:
+    return bool(fd.is_repeated)
+
+
+def _unknown_field_numbers(msg: Message) -> list[int]:
+    from google.protobuf import unknown_fields
+
+    return sorted({f.field_number for f in unknown_fields.UnknownFieldSet(msg)})

@@ -1,0 +1,152 @@
+"""A router plus in-process workers on a tiny checkpoint, over real gRPC on loopback.
+
+`start_cluster` starts the router (its own thread and event loop), then workers that
+register with it by heartbeat, and returns once every worker is routable. Workers
+share one loaded tiny model (read-only in forward); each has its own engine, KV pool,
+gRPC server and KV exporter. `Cluster.stop()` stops everything it started.
+
+The `cluster` fixture (module scope) is 2 prefill + 2 decode workers; import it into
+a test module with `from router_fixtures import cluster`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+from builders import tiny_checkpoint
+
+from pagedserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedserve.common.loader import LoadedModel, load_model
+from pagedserve.common.worker import WorkerConfig, WorkerRuntime
+from pagedserve.router.client import Client
+from pagedserve.router.config import RouterConfig
+from pagedserve.router.server import RouterHandle, start_router_in_thread
+from pagedserve.worker import start_worker
+
+MAX_MODEL_LEN = 256
+HEARTBEAT_S = 0.2
+
+
+def tiny_engine_config(arch: str = "llama", num_blocks: int = 128) -> EngineConfig:
+    return EngineConfig(
+        model=str(tiny_checkpoint(arch)),
+        cache=CacheConfig(num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN),
+        num_threads=1,
+    )
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Polls `cond` every 20 ms; fails the test naming `what` after `timeout` s."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+@dataclass
+class Cluster:
+    router: RouterHandle
+    engine_config: EngineConfig
+    loaded: LoadedModel
+    workers: dict[str, WorkerRuntime] = field(default_factory=dict)
+    heartbeat_interval_s: float = HEARTBEAT_S
+
+    @property
+    def address(self) -> str:
+        return self.router.address
+
+    def client(self, timeout: float | None = 60.0) -> Client:
+        return Client(self.address, timeout=timeout)
+
+    def pool(self, pool: str) -> list[WorkerRuntime]:
+        return [w for w in self.workers.values() if w.config.pool == pool]
+
+    def add_worker(self, worker_id: str, pool: str, **overrides: object) -> WorkerRuntime:
+        """Starts a worker and waits until the router routes to it."""
+        cfg = WorkerConfig(
+            worker_id=worker_id,
+            pool=pool,  # type: ignore[arg-type]
+            engine=self.engine_config,
+            registry_address=self.address,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+        )
+        rt = start_worker(dataclasses.replace(cfg, **overrides), self.loaded)
+        self.workers[worker_id] = rt
+        wait_for(lambda: self.registered(worker_id), what=f"{worker_id} to register")
+        return rt
+
+    def registered(self, worker_id: str) -> bool:
+        return self.router.call(lambda r: r.registry.get(worker_id) is not None)
+
+    def crash(self, worker_id: str) -> WorkerRuntime:
+        """Stops a worker the way a crash does: no Goodbye, heartbeats just stop."""
+        rt = self.workers.pop(worker_id)
+        rt._stop.set()  # ends the heartbeat loop without the Goodbye that stop() sends
+        rt.server.stop(0).wait()
+        rt.loop.stop()
+        rt.kv_source.close()
+        return rt
+
+    def remove(self, worker_id: str) -> None:
+        """A clean stop (Goodbye included)."""
+        self.workers.pop(worker_id).stop(grace=0.5)
+
+    def quiescent(self) -> bool:
+        """Every worker's pool is free-or-cached and no lease is open."""
+        return all(
+            w.loop.call(lambda e: e.block_manager.usage()) == 0 and w.kv_source.open_leases == 0
+            for w in self.workers.values()
+        )
+
+    def wait_quiescent(self, timeout: float = 10.0) -> None:
+        wait_for(self.quiescent, timeout, "every worker's blocks and leases to return")
+        for w in self.workers.values():
+            w.check_integrity()
+
+    def stop(self) -> None:
+        for wid in list(self.workers):
+            self.remove(wid)
+        self.router.stop()
+
+
+def start_cluster(
+    router_config: RouterConfig,
+    pools: dict[str, int],
+    engine_config: EngineConfig | None = None,
+) -> Cluster:
+    """A router + workers, e.g. pools={"prefill": 2, "decode": 2} -> p0, p1, d0, d1."""
+    engine_config = engine_config or tiny_engine_config()
+    loaded = load_model(engine_config.model)
+    router_config = dataclasses.replace(router_config, model=engine_config.model)
+    cluster = Cluster(start_router_in_thread(router_config), engine_config, loaded)
+    try:
+        for pool, count in pools.items():
+            for i in range(count):
+                cluster.add_worker(f"{pool[0]}{i}", pool)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+ROUTER_CONFIG = RouterConfig(
+    port=0,
+    max_model_len=MAX_MODEL_LEN,
+    max_inflight=64,
+    max_queued=64,
+    worker_timeout_s=30.0,  # tests drop workers explicitly, never by a slow heartbeat
+    disagg_min_prompt_tokens=8,
+)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = start_cluster(ROUTER_CONFIG, {"prefill": 2, "decode": 2})
+    yield c
+    c.stop()

@@ -129,7 +129,8 @@ class DecoderLayer(nn.Module):
         h = rms_norm(x, self.post_attention_layernorm, eps)
         gate_up = F.linear(h, self.gate_up_proj, self.gate_up_bias)  # [T, 2I]
         gate, up = gate_up.split(s.intermediate_size, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
+        act = F.silu(gate, inplace=True).mul_(up)  # in place: no [T, I] temporaries
+        return x + F.linear(act, self.down_proj, self.down_bias)
 
     def _attention(
         self,
@@ -142,15 +143,17 @@ class DecoderLayer(nn.Module):
         s = self.spec
         t = h.shape[0]
         qkv = F.linear(h, self.qkv_proj, self.qkv_bias)  # [T, (H + 2 kvh) * d]
-        q, k, v = qkv.split((s.q_size, s.kv_size, s.kv_size), dim=-1)
-        q = q.view(t, s.num_q_heads, s.head_dim)
-        k = k.view(t, s.num_kv_heads, s.head_dim)
-        v = v.view(t, s.num_kv_heads, s.head_dim)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, s.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, s.rms_norm_eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        n_qk = s.num_q_heads + s.num_kv_heads
+        v = qkv[:, s.q_size + s.kv_size :].view(t, s.num_kv_heads, s.head_dim)
+        if self.q_norm is None:
+            # RoPE over q and k heads at once: [T, H + kvh, d]
+            qk = apply_rope(qkv[:, : s.q_size + s.kv_size].view(t, n_qk, s.head_dim), cos, sin)
+            q, k = qk.split((s.num_q_heads, s.num_kv_heads), dim=1)
+        else:
+            q, k, _ = qkv.split((s.q_size, s.kv_size, s.kv_size), dim=-1)
+            q = rms_norm(q.view(t, s.num_q_heads, s.head_dim), self.q_norm, s.rms_norm_eps)
+            k = rms_norm(k.view(t, s.num_kv_heads, s.head_dim), self.k_norm, s.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache.layer(self.layer_idx)
         o = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, d]
         return F.linear(o.reshape(t, s.q_size), self.o_proj, self.o_bias)

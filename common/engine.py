@@ -436,7 +436,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
-        if reason is not FinishReason.STOP and seq.detokenizer is not None:
+        if seq.detokenizer is not None:  # release held-back text ("" after a stop string)
             seq.pending_text += seq.detokenizer.flush()
         self.scheduler.finish(seq)
 

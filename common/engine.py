@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.common.block_manager import BlockManager
-from pagedserve.common.config import ConfigError, EngineConfig
+from pagedserve.common.config import ConfigError, EngineConfig, resolve_dtype
 from pagedserve.common.detokenizer import IncrementalDetokenizer
 from pagedserve.common.kv_cache import KVCache, num_blocks_for_budget
 from pagedserve.common.loader import LoadedModel, load_model
@@ -101,7 +101,8 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        dtype = _DTYPES[config.dtype]
+        self.dtype_name = resolve_dtype(config.dtype, config.device)
+        dtype = _DTYPES[self.dtype_name]
         self.loaded = loaded or load_model(
             config.model,
             dtype=dtype,
@@ -129,7 +130,7 @@ class LLMEngine:
             cc.block_size,
             num_blocks * cc.block_size,
             num_blocks * spec.kv_bytes_per_block(cc.block_size, dtype) / 2**20,
-            config.dtype,
+            self.dtype_name,
         )
         self.block_manager = BlockManager(
             num_blocks, cc.block_size, self.model_id, cc.enable_prefix_caching

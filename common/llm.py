@@ -48,7 +48,7 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        dtype: str = "float32",
+        dtype: str = "auto",
         block_size: int = 16,
         num_blocks: int | None = None,
         enable_prefix_caching: bool = True,

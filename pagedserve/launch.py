@@ -207,7 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="router listen address")
     p.add_argument("--listen-host", default="127.0.0.1", help="workers' listen address")
     p.add_argument("--ray-address", default=None, help="join a Ray cluster ('auto' = ray start)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    p.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"]
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache budget per worker")
     p.add_argument("--block-size", type=int, default=16)

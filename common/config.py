@@ -91,8 +91,10 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ConfigError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ConfigError(
+                f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
+            )
         if self.max_n < 1:
             raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
 

@@ -5,11 +5,12 @@
 
 `handle` is the exporter's `ExportedKV` (from a KVHandle). `block_ids` names which of
 its blocks to pull, by the exporter's ids (default: all, in handle order); `layers` a
-layer range. Every chunk's checksum is verified before its bytes are written; a
-mismatch raises `KVChecksumError`, a broken or short stream `KVTransferError`, an
-unknown, released or expired lease `LeaseNotFoundError`. The decode worker maps
-these to its policy (recompute locally, or fail the request). A failed pull may have
-written some of the destination blocks: they must be treated as garbage.
+layer range. Every chunk's checksum is verified before the pull returns (XXH3: before
+the chunk is written; CRC-32: alongside the copy, see `ChunkAssembler`); a mismatch
+raises `KVChecksumError`, a broken or short stream `KVTransferError`, an unknown,
+released or expired lease `LeaseNotFoundError`. The decode worker maps these to its
+policy (recompute locally, or fail the request). A failed pull may have written some
+of the destination blocks: they must be treated as garbage (never cached or shared).
 
 Two implementations:
 - `ShmTransport`: same host. Maps the exporter's /dev/shm segment read-only, verifies

@@ -1,9 +1,11 @@
 """A router plus in-process workers on a tiny checkpoint, over real gRPC on loopback.
 
 `start_cluster` starts the router (its own thread and event loop), then workers that
-register with it by heartbeat, and returns once every worker is routable. Workers
-share one loaded tiny model (read-only in forward); each has its own engine, KV pool,
-gRPC server and KV exporter. `Cluster.stop()` stops everything it started.
+register with it by heartbeat, and returns once every worker is routable. Each worker
+has its own engine, KV pool, gRPC server and KV exporter, and its own copy of the tiny
+model: a LoadedModel must not be shared between workers, because the attention
+backend keeps per-step plans and scratch buffers (engines step on separate threads).
+`Cluster.stop()` stops everything it started.
 
 The `cluster` fixture (module scope) is 2 prefill + 2 decode workers; import it into
 a test module with `from router_fixtures import cluster`.
@@ -20,7 +22,6 @@ import pytest
 from builders import tiny_checkpoint
 
 from pagedserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
-from pagedserve.common.loader import LoadedModel, load_model
 from pagedserve.common.worker import WorkerConfig, WorkerRuntime
 from pagedserve.router.client import Client
 from pagedserve.router.config import RouterConfig
@@ -34,6 +35,7 @@ HEARTBEAT_S = 0.2
 def tiny_engine_config(arch: str = "llama", num_blocks: int = 128) -> EngineConfig:
     return EngineConfig(
         model=str(tiny_checkpoint(arch)),
+        dtype="float32",
         cache=CacheConfig(num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN),
         num_threads=1,
@@ -53,7 +55,6 @@ def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condi
 class Cluster:
     router: RouterHandle
     engine_config: EngineConfig
-    loaded: LoadedModel
     workers: dict[str, WorkerRuntime] = field(default_factory=dict)
     heartbeat_interval_s: float = HEARTBEAT_S
 
@@ -76,7 +77,7 @@ class Cluster:
             registry_address=self.address,
             heartbeat_interval_s=self.heartbeat_interval_s,
         )
-        rt = start_worker(dataclasses.replace(cfg, **overrides), self.loaded)
+        rt = start_worker(dataclasses.replace(cfg, **overrides))
         self.workers[worker_id] = rt
         wait_for(lambda: self.registered(worker_id), what=f"{worker_id} to register")
         return rt
@@ -122,9 +123,8 @@ def start_cluster(
 ) -> Cluster:
     """A router + workers, e.g. pools={"prefill": 2, "decode": 2} -> p0, p1, d0, d1."""
     engine_config = engine_config or tiny_engine_config()
-    loaded = load_model(engine_config.model)
     router_config = dataclasses.replace(router_config, model=engine_config.model)
-    cluster = Cluster(start_router_in_thread(router_config), engine_config, loaded)
+    cluster = Cluster(start_router_in_thread(router_config), engine_config)
     try:
         for pool, count in pools.items():
             for i in range(count):

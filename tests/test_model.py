@@ -146,6 +146,27 @@ def test_half_precision_logits_close_to_fp32(dtype):
     assert int(got.argmax()) == int(ref.argmax())
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_triton_backend_gives_the_same_greedy_tokens(arch):
+    """The model over the Triton kernels (interpreted on CPU) vs the torch backend:
+    batched prefill, then a prefix-cache hit prefilled in the same step as two
+    decodes, then decode; 17 tokens for the first two sequences, 13 for the third."""
+    pytest.importorskip("pagedserve.common.attention.triton_backend")
+    path = tiny_checkpoint(arch)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        sess = PagedSession(load_model(str(path), attention_backend=backend).model, 32, 8, 6)
+        sess.add("a", _prompt(13, 12))
+        sess.add("b", _prompt(5, 13))
+        sess.greedy(["a", "b"], 4)
+        sess.add_with_prefix("c", _prompt(13, 12)[:8] + _prompt(3, 14), "a", n_blocks=1)
+        for name, row in sess.step(["c"], ["a", "b"]).items():  # prefill + decode mixed
+            sess.seqs[name].tokens.append(int(row.argmax()))
+        sess.greedy(["a", "b", "c"], 12, prefill=False)
+        tokens[backend] = {name: seq.tokens for name, seq in sess.seqs.items()}
+    assert tokens["triton"] == tokens["torch"]
+
+
 # ---- bad input ------------------------------------------------------------------------
 
 

@@ -54,6 +54,7 @@ from pagedserve.v1 import (
     worker_pb2_grpc,
 )
 
+__all__ = ["Router", "RouterConfig", "RouterHandle", "serve", "start_router_in_thread"]
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -444,6 +445,10 @@ class RouterHandle:
             return fn(self.router)
 
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout)
+
+    def live_worker_ids(self) -> list[str]:
+        """Ids of the workers the router routes to now."""
+        return self.call(lambda r: sorted(w.worker_id for w in r.registry.workers()))
 
     def stop(self, grace: float = 1.0) -> None:
         if not self.thread.is_alive():

@@ -569,3 +569,43 @@ def test_health_follows_the_pools_and_no_prefill_pool_means_local_prefill(cluste
         wait_for(lambda: c.health("") == NOT_SERVING, what="health after goodbye")
         assert c.health("pagedserve.decode") == NOT_SERVING
     cluster.wait_quiescent()
+
+
+# ---- the command line ----------------------------------------------------------------------
+
+
+def test_cli_generate_streams_the_engine_text(cluster, llm, capsys):  # noqa: F811
+    from pagedserve import cli
+
+    prompt = "Once upon a time"
+    want = reference(llm, prompt, max_tokens=10, **GREEDY).completions[0].text
+    argv = ["generate", prompt, "--address", cluster.address, "--max-tokens", "10"]
+    assert cli.main([*argv, "--temperature", "0", "--ignore-eos", "-v"]) == 0
+    out, err = capsys.readouterr()
+    assert out == want + "\n"
+    prompt_tokens = len(llm.engine.tokenize(prompt))
+    assert f"[length; prompt {prompt_tokens} tokens" in err and "completion 10 tokens]" in err
+
+    assert cli.main(["generate", "hi", "--address", cluster.address, "--top-p", "2"]) == 1
+    assert "error: INVALID_ARGUMENT: top_p must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_cli_chat_keeps_the_conversation(cluster, llm, capsys, monkeypatch):  # noqa: F811
+    import io
+
+    from pagedserve import cli
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello fox\n\nWhat next?\n/exit\nignored\n"))
+    argv = ["chat", "--address", cluster.address, "--system", "Be brief."]
+    assert cli.main([*argv, "--max-tokens", "8", "--temperature", "0", "--ignore-eos"]) == 0
+    out = capsys.readouterr().out
+
+    history = [{"role": "system", "content": "Be brief."}]
+    expected = ""
+    for turn in ("Hello fox", "What next?"):
+        history.append({"role": "user", "content": turn})
+        ids_ = llm.engine.apply_chat_template(history)
+        answer = reference(llm, ids_, max_tokens=8, **GREEDY).completions[0].text
+        history.append({"role": "assistant", "content": answer})
+        expected += f"assistant> {answer}\n"
+    assert out == expected

@@ -1,0 +1,66 @@
+"""A standalone router: `python -m pagedserve.router --model DIR --port 50051`.
+
+Workers join it by heartbeat (WorkerConfig.registry_address = this address). The
+launcher (`pagedserve up`) runs the same router in its own process instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from pagedserve.router.config import DEFAULT_PORT, RouterConfig
+from pagedserve.router.server import serve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = RouterConfig()
+    p = argparse.ArgumentParser(prog="python -m pagedserve.router", description=__doc__)
+    p.add_argument("--model", default=None, help="checkpoint dir (default: the default model)")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-inflight", type=int, default=d.max_inflight)
+    p.add_argument("--max-queued", type=int, default=d.max_queued)
+    p.add_argument("--worker-timeout-s", type=float, default=d.worker_timeout_s)
+    p.add_argument("--disagg-min-prompt-tokens", type=int, default=d.disagg_min_prompt_tokens)
+    p.add_argument("--lease-ttl-ms", type=int, default=None)
+    p.add_argument("--transfer-failure-policy", choices=["recompute", "fail"], default=None)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
+    config = RouterConfig(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        max_model_len=args.max_model_len,
+        max_inflight=args.max_inflight,
+        max_queued=args.max_queued,
+        worker_timeout_s=args.worker_timeout_s,
+        disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
+        lease_ttl_ms=args.lease_ttl_ms,
+        transfer_failure_policy=args.transfer_failure_policy,
+    )
+    # Ctrl-C (asyncio.run cancels the task) and SIGTERM both stop the router cleanly.
+    with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
+        asyncio.run(_serve_until_signalled(config))
+    return 0
+
+
+async def _serve_until_signalled(config: RouterConfig) -> None:
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    await serve(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

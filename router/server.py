@@ -227,12 +227,16 @@ class Router:
         except InvalidRequestError as e:
             self.counters["invalid"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.active_requests.add(resolved.request_id)  # queued ones count: ids stay unique
         try:
             await self.admission.acquire()
         except AdmissionRejected as e:
+            self.active_requests.discard(resolved.request_id)
             self.counters["rejected"] += 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        self.active_requests.add(resolved.request_id)
+        except BaseException:  # cancelled while queued
+            self.active_requests.discard(resolved.request_id)
+            raise
         try:
             async with contextlib.aclosing(self._serve(resolved, context)) as responses:
                 async for response in responses:

@@ -216,11 +216,11 @@ def test_fused_weights_hold_the_checkpoint_tensors():
     tensors = load_file(str(path / "model.safetensors"))
     layer = load_model(str(path)).model.layers[1]
     q, k, v = (tensors[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv")
-    assert torch.equal(layer.qkv_proj, torch.cat([q, k, v]))
+    assert torch.equal(layer.qkv_proj, torch.cat([q, k, v]).t())  # stored [in, out]
     qb, kb, vb = (tensors[f"model.layers.1.self_attn.{p}_proj.bias"] for p in "qkv")
     assert torch.equal(layer.qkv_bias, torch.cat([qb, kb, vb]))
     gate, up = (tensors[f"model.layers.1.mlp.{p}_proj.weight"] for p in ("gate", "up"))
-    assert torch.equal(layer.gate_up_proj, torch.cat([gate, up]))
+    assert torch.equal(layer.gate_up_proj, torch.cat([gate, up]).t())
 
 
 def _copy_checkpoint(tmp_path: Path, arch: str = "llama") -> Path:
@@ -370,3 +370,10 @@ def test_encode_chat_applies_the_template():
     tok.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         encode_chat(tok, [{"role": "user", "content": "hi"}])
+
+
+def test_tied_lm_head_is_the_embedding():
+    model = load_model(str(tiny_checkpoint("llama3"))).model  # tie_word_embeddings
+    assert torch.equal(model.lm_head, model.embed_tokens.t())
+    hidden = torch.randn(3, model.spec.hidden_size)
+    torch.testing.assert_close(model.compute_logits(hidden), hidden @ model.embed_tokens.t())

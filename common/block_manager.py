@@ -385,6 +385,27 @@ class BlockManager:
         self._prefix_hit_tokens += num_cached
         return num_cached
 
+    def acquire_cached_prefix(
+        self, seq_id: str, token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> int:
+        """Pin the longest cached chain of full blocks of `token_ids` under a new sequence.
+
+        For exporting a prefix to another worker: every full block may match (there
+        is nothing to compute), no fresh block is taken, and the sequence is fully
+        computed. Returns the tokens pinned; 0 creates no sequence. `free` unpins.
+        """
+        if seq_id in self._seqs:
+            raise SequenceExistsError(f"sequence {seq_id!r} already exists")
+        tokens = _as_prompt(token_ids)
+        extra = extra_key(self.model_id, cache_salt)
+        hits = self._cached_prefix(tokens, extra, leave_one=False)
+        if not hits:
+            return 0
+        n = len(hits) * self.block_size
+        table = [self._ref_cached(block_id) for block_id, _ in hits]
+        self._seqs[seq_id] = _Seq(tokens[:n], table, n, [h for _, h in hits], extra)
+        return n
+
     def mark_computed(self, seq_id: str, num_tokens: int) -> None:
         """Tokens [0, num_tokens) now have K/V; their full blocks enter the prefix cache."""
         seq = self._seq(seq_id)
@@ -489,14 +510,19 @@ class BlockManager:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _cached_prefix(self, tokens: list[int], extra: bytes) -> list[tuple[int, BlockHash]]:
-        """(block id, hash) of the longest cached chain of full blocks, leaving >= 1 token."""
+    def _cached_prefix(
+        self, tokens: list[int], extra: bytes, leave_one: bool = True
+    ) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) of the longest cached chain of full blocks.
+
+        leave_one: stop before the last token, so a prompt always computes >= 1 token.
+        """
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
         hits: list[tuple[int, BlockHash]] = []
         parent = None
-        for i in range((len(tokens) - 1) // bs):
+        for i in range((len(tokens) - 1 if leave_one else len(tokens)) // bs):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             block_hash = hash_block(parent, chunk, extra)
             block_id = self._hash_to_block.get(block_hash)

@@ -149,6 +149,8 @@ class LLMEngine:
         self.held: dict[str, list[Sequence]] = {}
         # Decode role: sequences whose blocks are allocated while their KV is imported.
         self.importing: dict[str, list[Sequence]] = {}
+        # Sequences that only pin blocks (prefix export / import in progress).
+        self.pinned: set[str] = set()
         # Requests with news that no step produced (imported first tokens).
         self._touched: dict[str, Request] = {}
         self.last_step_was_empty = False
@@ -424,6 +426,48 @@ class LLMEngine:
             self.block_manager.mark_computed(seq.seq_id, seq.num_prompt_tokens)
             self.scheduler.add_running(seq)
 
+    # -- cross-worker prefix reuse -------------------------------------------------------
+    #
+    # Exporting side: pin the cached blocks of a prefix while they are copied out.
+    # Importing side: write a prefix's blocks into this engine's prefix cache before
+    # the request that needs them arrives, so its prefill hits them.
+
+    def pin_prefix(self, pin_id: str, token_ids: Seq[int], cache_salt: str | None) -> list[int]:
+        """Pins the longest cached chain of full blocks of token_ids; their block ids."""
+        n = self.block_manager.acquire_cached_prefix(pin_id, token_ids, cache_salt)
+        if not n:
+            return []
+        self.pinned.add(pin_id)
+        return self.block_manager.block_table(pin_id)
+
+    def unpin(self, pin_id: str) -> None:
+        if pin_id in self.pinned:
+            self.pinned.discard(pin_id)
+            self.block_manager.free(pin_id)
+
+    def reserve_prefix_import(
+        self, pin_id: str, prefix_token_ids: Seq[int], cache_salt: str | None
+    ) -> ImportPlan:
+        """Allocates blocks for a prefix's full blocks (local hits first) to import into.
+
+        Then write plan.block_ids and call `commit_prefix_import` (the blocks enter the
+        prefix cache) or `unpin` (nothing is cached). Nothing to import, or no room:
+        an empty plan, no sequence kept.
+        """
+        bs = self.block_manager.block_size
+        ids = list(prefix_token_ids)[: len(prefix_token_ids) // bs * bs]
+        if not ids or not self.block_manager.can_allocate(ids, cache_salt):
+            return ImportPlan([], 0, 0, recompute=True)
+        local = self.block_manager.allocate(pin_id, ids, cache_salt)
+        self.pinned.add(pin_id)
+        first = local // bs
+        return ImportPlan(self.block_manager.block_table(pin_id)[first:], first, local, False)
+
+    def commit_prefix_import(self, pin_id: str) -> None:
+        n = self.block_manager.num_tokens(pin_id)
+        self.block_manager.mark_computed(pin_id, n)
+        self.unpin(pin_id)
+
     def cancel_import(self, request_id: str, recompute: bool) -> None:
         """The import failed: recompute the prompt here, or drop the request."""
         seqs = self.importing.pop(request_id, [])
@@ -502,5 +546,5 @@ class LLMEngine:
         for seq in self.scheduler.iter_unfinished():
             if seq.status is SequenceStatus.RUNNING:
                 assert self.block_manager.has_seq(seq.seq_id), f"{seq.seq_id} runs without blocks"
-        if not (self.requests or self.held or self.importing):
+        if not (self.requests or self.held or self.importing or self.pinned):
             assert self.block_manager.usage() == 0.0, "no request in flight, yet blocks in use"

@@ -28,6 +28,7 @@ from pagedserve.common.prefix_index import IndexPublisher, open_prefix_index
 from pagedserve.common.prefix_index.remote import RemotePrefixIndex
 from pagedserve.kvtransfer.handle import local_host_id
 from pagedserve.kvtransfer.source import KVSource, add_kvtransfer_service
+from pagedserve.kvtransfer.transport import AutoTransport
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class WorkerRuntime:
             on_expire=self._on_lease_expired,
         )
         add_kvtransfer_service(self.server, self.kv_source)
+        self.kv_transport = AutoTransport(host_id=self.host_id, mode=config.kv_transport)
         worker_pb2_grpc.add_WorkerStatusServicer_to_server(_StatusServicer(self), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 
 import grpc
 import torch
@@ -25,11 +24,11 @@ from pagedserve.common.engine_loop import EngineFailure, RequestStream
 from pagedserve.common.protocol import delta_to_pb, logprobs_from_pb, sampling_from_pb
 from pagedserve.common.sampling_params import InvalidRequestError
 from pagedserve.common.sequence import Request
-from pagedserve.common.worker import GRPC_OPTIONS, WorkerRuntime
+from pagedserve.common.worker import WorkerRuntime
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.sinks import CacheSink
-from pagedserve.kvtransfer.transport import AutoTransport
 from pagedserve.kvtransfer.wire import KVTransferError
+from pagedserve.prefill_worker.servicer import import_prefix, release_lease
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -39,7 +38,6 @@ POLL_S = 0.1  # how often a streaming handler checks that its caller is still th
 class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
-        self.transport = AutoTransport(host_id=runtime.host_id, mode=runtime.config.kv_transport)
 
     def Decode(self, request, context):  # noqa: N802 (gRPC method name)
         req = request.request
@@ -79,6 +77,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     ),
                 )
             else:
+                if request.HasField("prefix"):
+                    import_prefix(self.rt, rid, request.prefix, prompt, req.cache_salt)
                 stream = self.rt.loop.submit(
                     rid,
                     lambda e: added.append(
@@ -110,7 +110,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             handle = ExportedKV.from_proto(kv, rid)
             wanted = handle.block_ids[plan.first_block : plan.first_block + len(plan.block_ids)]
             sink = CacheSink(self.rt.engine.kv_cache.kv, plan.block_ids)
-            result = self.transport.pull_into(
+            result = self.rt.kv_transport.pull_into(
                 handle, sink, block_ids=wanted, timeout=context.time_remaining()
             )
             info.transport = result.transport
@@ -132,22 +132,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             info.transport, info.recomputed, info.error = "local", True, e
         finally:
             if kv.lease_id:
-                self._release_lease(kv.transfer_address, kv.lease_id)
+                release_lease(kv.transfer_address, kv.lease_id)
         return info
-
-    def _release_lease(self, address: str, lease_id: str) -> None:
-        """Tell the exporter we are done, off the request's path (best effort: leases expire)."""
-
-        def run() -> None:
-            try:
-                with grpc.insecure_channel(address, options=GRPC_OPTIONS) as ch:
-                    worker_pb2_grpc.PrefillStub(ch).ReleaseLease(
-                        worker_pb2.ReleaseLeaseRequest(lease_id=lease_id), timeout=5.0
-                    )
-            except grpc.RpcError as e:
-                logger.info("releasing lease %s at %s failed: %s", lease_id, address, e.code())
-
-        threading.Thread(target=run, name="release-lease", daemon=True).start()
 
     def _stream(self, rid, prompt_len, stream: RequestStream, info, context, cached, added):
         first = True

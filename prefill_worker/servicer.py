@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
+import uuid
 
 import grpc
 
@@ -22,7 +24,9 @@ from pagedserve.common.protocol import logprobs_to_pb, sampling_from_pb
 from pagedserve.common.sampling_params import InvalidRequestError
 from pagedserve.common.sequence import FinishReason, Request, SampleDelta
 from pagedserve.common.worker import WorkerRuntime
-from pagedserve.kvtransfer.handle import KVLayout
+from pagedserve.kvtransfer.handle import ExportedKV, KVLayout
+from pagedserve.kvtransfer.sinks import CacheSink
+from pagedserve.kvtransfer.wire import KVTransferError
 from pagedserve.v1 import kvtransfer_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -57,6 +61,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         req = request.request
         rid = req.request_id
         params = sampling_from_pb(req.sampling)
+        if request.HasField("prefix"):
+            import_prefix(self.rt, rid, request.prefix, list(req.prompt_token_ids), req.cache_salt)
         added: list[Request] = []
         try:
             stream = self.rt.loop.submit(
@@ -108,8 +114,76 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             handle.first_tokens.append(tok)
         return handle
 
+    def ExportPrefix(self, request, context):  # noqa: N802
+        """Cross-worker reuse: stage the cached blocks of a prefix for another worker."""
+        pin = f"export-{uuid.uuid4().hex}"
+        salt = request.cache_salt or None
+        table = self.rt.loop.call(lambda e: e.pin_prefix(pin, list(request.token_ids), salt))
+        if not table:
+            context.abort(grpc.StatusCode.NOT_FOUND, "no block of this prefix is cached here")
+        try:
+            ttl = request.lease_ttl_ms / 1000 if request.HasField("lease_ttl_ms") else None
+            exported = self.rt.kv_source.export(
+                self.rt.engine.kv_cache.kv,
+                table,
+                num_tokens=len(table) * self.rt.engine.block_manager.block_size,
+                request_id=pin,
+                ttl_s=ttl,
+            )
+        finally:
+            self.rt.loop.call(lambda e: e.unpin(pin))
+        handle = exported.to_proto()
+        handle.worker_id = self.rt.config.worker_id
+        handle.transfer_address = self.rt.address
+        return handle
+
     def ReleaseLease(self, request, context):  # noqa: N802
         return worker_pb2.ReleaseLeaseResponse(released=self.rt.kv_source.release(request.lease_id))
+
+
+def import_prefix(rt: WorkerRuntime, rid: str, prefix, prompt: list[int], salt: str) -> int:
+    """Pulls another worker's blocks of the prompt's prefix into this worker's prefix cache.
+
+    Best effort: on any failure the blocks are simply computed here. Returns the
+    blocks pulled. The exporter's lease is released either way.
+    """
+    pin = f"{rid}#prefix"
+    try:
+        handle = ExportedKV.from_proto(prefix, rid)
+        plan = rt.loop.call(
+            lambda e: e.reserve_prefix_import(pin, prompt[: handle.num_tokens], salt or None)
+        )
+        if not plan.block_ids:
+            rt.loop.call(lambda e: e.unpin(pin))
+            return 0
+        wanted = handle.block_ids[plan.first_block : plan.first_block + len(plan.block_ids)]
+        rt.kv_transport.pull_into(
+            handle, CacheSink(rt.engine.kv_cache.kv, plan.block_ids), block_ids=wanted
+        )
+        rt.loop.call(lambda e: e.commit_prefix_import(pin))
+        return len(plan.block_ids)
+    except (KVTransferError, ValueError, grpc.RpcError) as e:
+        logger.warning("prefix pull for %s failed, computing it here: %s", rid, e)
+        rt.loop.call(lambda e: e.unpin(pin))
+        return 0
+    finally:
+        if prefix.lease_id:
+            release_lease(prefix.transfer_address, prefix.lease_id)
+
+
+def release_lease(address: str, lease_id: str) -> None:
+    """Tell an exporter we are done, off the request's path (best effort: leases expire)."""
+
+    def run() -> None:
+        try:
+            with grpc.insecure_channel(address) as ch:
+                worker_pb2_grpc.PrefillStub(ch).ReleaseLease(
+                    worker_pb2.ReleaseLeaseRequest(lease_id=lease_id), timeout=5.0
+                )
+        except grpc.RpcError as e:
+            logger.info("releasing lease %s at %s failed: %s", lease_id, address, e.code())
+
+    threading.Thread(target=run, name="release-lease", daemon=True).start()
 
 
 def _held(engine: LLMEngine, rid: str):

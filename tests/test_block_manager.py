@@ -586,3 +586,23 @@ def test_check_integrity_names_the_broken_invariant():
     bm = broken(lambda b: setattr(b._blocks[0], "token_ids", (9, 9)))
     with pytest.raises(AssertionError, match="cached block 0 holds other tokens"):
         bm.check_integrity()
+
+
+def test_acquire_cached_prefix_pins_every_full_block_and_takes_none():
+    bm = BlockManager(num_blocks=8, block_size=4, model_id="m")
+    toks = list(range(100, 112))  # 3 full blocks
+    bm.allocate("a", toks)
+    bm.mark_computed("a", 12)
+    table = bm.block_table("a")
+    bm.free("a")
+    free_before = bm.num_free_blocks()
+    assert bm.acquire_cached_prefix("x", toks + [1, 2]) == 12  # all 3 blocks, unlike allocate
+    assert bm.block_table("x") == table and bm.num_computed_tokens("x") == 12
+    assert [bm.block_ref_count(b) for b in table] == [1, 1, 1]
+    assert bm.num_free_blocks() == free_before - 3  # revived from the LRU, nothing fresh
+    assert bm.acquire_cached_prefix("y", toks, cache_salt="other") == 0
+    assert not bm.has_seq("y")
+    bm.check_integrity()
+    bm.free("x")
+    assert bm.num_free_blocks() == free_before
+    bm.check_integrity()

@@ -239,3 +239,29 @@ def test_stats_report_load_and_capacity(workers):
     )
     assert s.worker_id == "d0" and s.pool == worker_pb2.WORKER_POOL_DECODE
     assert s.num_total_blocks == 96 and s.block_size == 16 and s.address == workers["dec"].address
+
+
+def test_cross_worker_prefix_pull(workers, reference):
+    pre, dec = workers["pre"], workers["dec_grpc"]
+    p = prompt(8, 53)  # 3 full blocks + 5 tokens
+    stub(pre, worker_pb2_grpc.PrefillStub).Prefill(
+        worker_pb2.PrefillRequest(request=tokenized("t-hold", p)), timeout=30
+    )  # pre now caches p's 3 full blocks (its lease expires or is unused)
+    handle = stub(pre, worker_pb2_grpc.PrefillStub).ExportPrefix(
+        worker_pb2.ExportPrefixRequest(token_ids=p), timeout=30
+    )
+    assert handle.num_tokens == 48 and len(handle.block_ids) == 3
+    computed_before = dec.engine.stats().prefill_tokens
+    tokens, _, info = decode_all(dec, tokenized("t-reuse", p), prefix=handle)
+    assert tokens[0] == reference(p).completions[0].token_ids
+    # All 3 full blocks were pulled into dec's prefix cache: only the last 5 tokens computed.
+    assert dec.engine.stats().prefill_tokens - computed_before == 53 - 48
+    with pytest.raises(grpc.RpcError) as err:
+        stub(pre, worker_pb2_grpc.PrefillStub).ExportPrefix(
+            worker_pb2.ExportPrefixRequest(token_ids=prompt(9, 40)), timeout=10
+        )
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    for rt in (pre, dec):
+        for lease in list(rt.kv_source._leases):  # the Prefill above was never decoded
+            rt.kv_source.release(lease)
+    wait_clean(pre, dec)

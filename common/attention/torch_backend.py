@@ -19,12 +19,15 @@ Decode sequences (one token each), a few batched SDPA calls:
   so K/V are never expanded (and no causal mask is needed: every query of a
   decode sequence sits at its last position).
 
-Why chunks (measured on the 2-core Xeon, 64 sequences of 100-700 tokens, fp32,
-per layer): one padded batch 48 ms, chunks of <= 4096 tokens 15 ms. Sorting cuts
-the padding (45k -> 29k gathered tokens for 27k real ones), and a chunk's
-gathered K/V is still in cache when SDPA reads it. The gather writes into
-buffers kept across layers and steps: a fresh multi-MB tensor per call costs
-page faults (6.7 MB: 1.3 ms fresh, 0.6 ms reused).
+Measured on the 2-core Xeon here, 64 decode sequences of 100-700 tokens, fp32,
+one layer: a fresh padded gather + SDPA 48 ms; with the gather writing into
+buffers kept across layers and steps 10-11 ms (fresh multi-MB tensors cost page
+faults: 6.7 MB took 1.3 ms fresh, 0.6 ms reused). Chunking then changes little
+(3 MiB chunks vs one padded batch: 11.0 vs 10.5 ms on 2 threads, 16.3 vs 17.9 ms
+on 1), but it bounds the buffers (one padded batch of 64 long sequences is tens
+of MB) and sorting cuts the padding (29k instead of 45k gathered tokens for 27k
+real ones). A C kernel reading the blocks directly was tried: 1.2-1.6x faster per
+layer than this path, not worth a runtime compiler dependency.
 
 GQA in prefill expands K/V with stride-0 views ([kvh, group, S, d]); this was
 2.5-4x faster than `enable_gqa=True` or `repeat_interleave`.

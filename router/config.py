@@ -28,6 +28,54 @@ class LoadWeights:
 
 
 @dataclass(frozen=True)
+class PrefixRouting:
+    """How the prefix-aware policy weighs cached blocks, transfers and load (policy.py).
+
+    Every candidate gets a cost in *prompt-token equivalents*:
+
+        cost = prefix_weight * (tokens it must compute + transfer cost in tokens)
+             + load_weight   * load                    # load as in LoadWeights
+
+    where "tokens it must compute" are the prompt tokens beyond the prefix it holds
+    (or would pull from a holder), and a pull of B blocks costs
+    `transfer_overhead_s + B * bytes_per_block / transfer_bytes_per_s` seconds, i.e.
+    that many seconds times `prefill_tokens_per_s` tokens. A pull is planned only
+    when it is cheaper than computing the same blocks (`B * block_size /
+    prefill_tokens_per_s`). The defaults are CPU numbers: ~2k prompt tokens/s for
+    a 135M model on two cores, ~1 GB/s for the gRPC transport on loopback (shared
+    memory is faster), a few ms for ExportPrefix plus the pull's round trips (the
+    router replaces the overhead with the ExportPrefix latency it measures, and
+    the bytes per block with the layout of the handles it sees).
+    """
+
+    enabled: bool = True  # False: the least-loaded policy, no index lookups
+    prefix_weight: float = 1.0
+    # One unit of load (a request running or queued on the worker) is worth computing
+    # this many prompt tokens: a worker 512 cached tokens ahead keeps a request until
+    # it has about 8 more requests than the others.
+    load_weight: float = 64.0
+    pull: bool = True  # cross-worker reuse: pull a prefix from its holder when cheaper
+    prefill_tokens_per_s: float = 2000.0
+    transfer_bytes_per_s: float = 1.0e9
+    transfer_overhead_s: float = 0.005
+    # Lease asked of a holder for an exported prefix (the target releases it at once).
+    export_lease_ttl_ms: int = 10_000
+    # After the index failed (Redis down), route by load only for this long before
+    # trying it again, so an outage costs one failed call per period, not per request.
+    index_retry_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefix_weight", "load_weight", "transfer_overhead_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("prefill_tokens_per_s", "transfer_bytes_per_s", "index_retry_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.export_lease_ttl_ms < 1:
+            raise ConfigError(f"export_lease_ttl_ms must be >= 1, got {self.export_lease_ttl_ms}")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT  # 0 = any free port (tests)
@@ -45,15 +93,23 @@ class RouterConfig:
     max_queued: int = 1024
     # A worker without a heartbeat for this long is dropped from routing.
     worker_timeout_s: float = 3.0
-    # Conditional disaggregation: a prompt whose uncached part is shorter than this goes
-    # straight to a decode worker (no Prefill call). For now the uncached part is the
-    # whole prompt; the prefix index (issue 6) will subtract the decode worker's hits.
+    # Conditional disaggregation: a prompt whose uncached part on the chosen decode
+    # worker (the prompt minus the prefix it holds or will pull) is shorter than this
+    # goes straight to that decode worker (no Prefill call).
     disagg_min_prompt_tokens: int = 32
     # Lease of exported KV asked of the prefill worker, in ms; None = the worker's default.
     lease_ttl_ms: int | None = None
     # What a decode worker does when pulling KV fails; None = the worker's configured one.
     transfer_failure_policy: Literal["recompute", "fail"] | None = None
     load_weights: LoadWeights = field(default_factory=LoadWeights)
+    prefix: PrefixRouting = field(default_factory=PrefixRouting)
+    # The shared state of several router replicas: the prefix index (namespaced by the
+    # workers' model id) and the worker registry. None = embedded: the index lives in
+    # this router (workers publish to its PrefixIndex service) and workers register by
+    # heartbeat to its Registry service. URL forms: redis://[user[:password]@]host:port/db,
+    # rediss://... (TLS).
+    redis_url: str | None = None
+    registry_poll_s: float = 0.25  # how often the Redis worker registry is read
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -77,6 +133,15 @@ class RouterConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.redis_url is not None and not self.redis_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            scheme = self.redis_url.split("://", 1)[0] if "://" in self.redis_url else "none"
+            raise ConfigError(
+                f"redis_url must start with redis://, rediss:// or unix://, got scheme {scheme!r}"
+            )
+        if not self.registry_poll_s > 0:
+            raise ConfigError(f"registry_poll_s must be > 0, got {self.registry_poll_s}")
         if self.max_n < 1 or self.max_logprobs < 0:
             raise ConfigError(
                 f"max_n must be >= 1 and max_logprobs >= 0, got {self.max_n}, {self.max_logprobs}"

@@ -2,20 +2,49 @@
 
 The interface is one verb, `rank`: order the candidates best first, each with its
 score and the inputs that produced it (logged at debug level by the server). The
-server takes the first candidate and falls back to the next on failure. Issue 6's
-prefix-aware policy implements the same verb, adding per-candidate prefix overlap
-from the index to the load terms; `RouteRequest` already carries what it needs
-(token ids and cache salt, from which the block hashes follow).
+server takes the first candidate and falls back to the next on failure.
+
+- `LeastLoadedPolicy`: load only (requests on the worker, queue, KV usage).
+- `RoundRobinPolicy`: a baseline for benchmarks: the next worker in turn.
+- `PrefixAwarePolicy`: prefix overlap from the index against load, in one cost
+  (see `PrefixRouting` in config.py); it also plans cross-worker pulls: a candidate
+  that lacks a prefix another worker holds is scored as if it pulled it, when that
+  is cheaper than computing it, and its `Scored.pull` says from whom.
+
+A policy that fills `Scored.compute_tokens` tells the server how much of the prompt
+the worker would compute (conditional disaggregation compares it with
+`disagg_min_prompt_tokens`); one that leaves it None is taken to compute it all.
 """
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pagedserve.router.config import LoadWeights
+from pagedserve.router.config import LoadWeights, PrefixRouting
+from pagedserve.router.cost import TransferEstimator
 from pagedserve.router.registry import WorkerInfo
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """What the prefix index says about one request's prompt (one lookup per request).
+
+    The chain covers the full blocks of the prompt minus its last token (a worker
+    always computes at least one token, so that block could never be a hit).
+    """
+
+    block_size: int
+    num_blocks: int  # full blocks in the chain
+    blocks: Mapping[str, int]  # worker id -> leading blocks of the chain it holds
+    # Routable workers holding at least one block, most blocks first (then fewest
+    # of the router's calls open on them, then id): the sources of a pull.
+    holders: Sequence[tuple[WorkerInfo, int]] = ()
+
+    def held(self, worker_id: str) -> int:
+        return self.blocks.get(worker_id, 0)
 
 
 @dataclass(frozen=True)
@@ -25,16 +54,40 @@ class RouteRequest:
     request_id: str
     prompt_token_ids: Sequence[int]
     cache_salt: str | None = None
+    # The index's answer; None when there is no index, it is unreachable (load-only
+    # routing) or no worker has reported its model yet.
+    prefix: PrefixMatch | None = None
+
+
+@dataclass(frozen=True)
+class PullPlan:
+    """Pull `holder_blocks` leading blocks from `holder` (the target has `own_blocks`)."""
+
+    holder: WorkerInfo
+    holder_blocks: int
+    own_blocks: int
+    transfer_s: float  # estimated time to move the missing blocks
+    recompute_s: float  # estimated time to compute them instead
+
+    @property
+    def blocks(self) -> int:
+        """Blocks that travel."""
+        return self.holder_blocks - self.own_blocks
 
 
 @dataclass(frozen=True)
 class Scored:
     worker: WorkerInfo
     score: float  # lower is better
-    inputs: dict[str, float] = field(default_factory=dict)  # for the debug log
+    inputs: dict[str, float | str] = field(default_factory=dict)  # for the debug log
+    compute_tokens: int | None = None  # prompt tokens it would compute; None = all
+    pull: PullPlan | None = None  # a prefix to pull before computing, if any
 
 
 class RoutingPolicy(ABC):
+    # Whether the server should look the prompt up in the prefix index for this policy.
+    uses_prefix_index: bool = False
+
     @abstractmethod
     def rank(
         self, role: str, request: RouteRequest, candidates: Sequence[WorkerInfo]
@@ -42,14 +95,30 @@ class RoutingPolicy(ABC):
         """`candidates` ordered best first (role: "prefill" or "decode")."""
 
 
-class LeastLoadedPolicy(RoutingPolicy):
-    """Least load first; ties go to the lower worker id (deterministic).
+def worker_load(w: WorkerInfo, weights: LoadWeights) -> tuple[float, dict[str, float | str]]:
+    """A worker's load and its inputs.
 
     Load counts requests on the worker: the router's own in-flight calls are the
     freshest number, the last heartbeat's running + waiting also sees other routers'
-    work, so the larger of the two. Waiting requests and KV usage weigh extra (see
-    LoadWeights).
+    work, so the larger of the two. Waiting requests and KV usage weigh extra.
     """
+    s = w.stats
+    inputs: dict[str, float | str] = {
+        "inflight": float(w.inflight),
+        "running": float(s.num_running),
+        "waiting": float(s.num_waiting),
+        "kv_usage": round(float(s.kv_usage), 4),
+    }
+    load = (
+        max(w.inflight, s.num_running + s.num_waiting)
+        + weights.waiting * s.num_waiting
+        + weights.kv_usage * s.kv_usage
+    )
+    return load, inputs
+
+
+class LeastLoadedPolicy(RoutingPolicy):
+    """Least load first; ties go to the lower worker id (deterministic)."""
 
     def __init__(self, weights: LoadWeights | None = None) -> None:
         self.weights = weights or LoadWeights()
@@ -57,20 +126,104 @@ class LeastLoadedPolicy(RoutingPolicy):
     def rank(
         self, role: str, request: RouteRequest, candidates: Sequence[WorkerInfo]
     ) -> list[Scored]:
-        scored = [self._score(w) for w in candidates]
+        scored = [Scored(w, *worker_load(w, self.weights)) for w in candidates]
         return sorted(scored, key=lambda s: (s.score, s.worker.worker_id))
 
-    def _score(self, w: WorkerInfo) -> Scored:
-        s = w.stats
-        inputs = {
-            "inflight": float(w.inflight),
-            "running": float(s.num_running),
-            "waiting": float(s.num_waiting),
-            "kv_usage": round(float(s.kv_usage), 4),
-        }
-        load = (
-            max(w.inflight, s.num_running + s.num_waiting)
-            + self.weights.waiting * s.num_waiting
-            + self.weights.kv_usage * s.kv_usage
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Each role's workers in turn (by id), whatever their load or cache: a baseline."""
+
+    def __init__(self) -> None:
+        self._turn: dict[str, itertools.count] = {}
+
+    def rank(
+        self, role: str, request: RouteRequest, candidates: Sequence[WorkerInfo]
+    ) -> list[Scored]:
+        ordered = sorted(candidates, key=lambda w: w.worker_id)
+        if not ordered:
+            return []
+        k = next(self._turn.setdefault(role, itertools.count())) % len(ordered)
+        ordered = ordered[k:] + ordered[:k]
+        return [Scored(w, float(i), {"turn": float(k)}) for i, w in enumerate(ordered)]
+
+
+class PrefixAwarePolicy(RoutingPolicy):
+    """Fewest prompt tokens to compute (own hits or a cheap pull) against load.
+
+    For each candidate (prompt of P tokens, block size b, index match m):
+
+        own      = m[candidate]                          # leading blocks it holds
+        pull     = the holder with the most blocks h > own, if moving h - own blocks
+                   is estimated cheaper than computing them
+        reuse    = h if pull else own
+        compute  = P - reuse * b                         # tokens it would compute
+        cost     = prefix_weight * (compute + transfer_s * prefill_tokens_per_s)
+                 + load_weight * load                    # load as LeastLoadedPolicy's
+
+    Lowest cost first; ties go to the lower worker id. Without an index answer
+    (`request.prefix` None: no index, or Redis down) every candidate computes the
+    whole prompt and the order is the least-loaded one.
+    """
+
+    uses_prefix_index = True
+
+    def __init__(
+        self,
+        config: PrefixRouting | None = None,
+        weights: LoadWeights | None = None,
+        estimator: TransferEstimator | None = None,
+    ) -> None:
+        self.config = config or PrefixRouting()
+        self.weights = weights or LoadWeights()
+        self.estimator = estimator or TransferEstimator(self.config)
+
+    def rank(
+        self, role: str, request: RouteRequest, candidates: Sequence[WorkerInfo]
+    ) -> list[Scored]:
+        scored = [self._score(w, request) for w in candidates]
+        return sorted(scored, key=lambda s: (s.score, s.worker.worker_id))
+
+    def _score(self, w: WorkerInfo, request: RouteRequest) -> Scored:
+        load, inputs = worker_load(w, self.weights)
+        prompt_len = len(request.prompt_token_ids)
+        match = request.prefix
+        own = match.held(w.worker_id) if match else 0
+        pull = self.plan_pull(w, match) if match else None
+        reuse = pull.holder_blocks if pull else own
+        bs = match.block_size if match else 0
+        compute = prompt_len - reuse * bs
+        transfer_tokens = pull.transfer_s * self.config.prefill_tokens_per_s if pull else 0.0
+        cost = (
+            self.config.prefix_weight * (compute + transfer_tokens) + self.config.load_weight * load
         )
-        return Scored(w, load, inputs)
+        inputs.update(
+            own_blocks=float(own),
+            compute_tokens=float(compute),
+            load=round(load, 4),
+        )
+        if pull:
+            inputs.update(
+                pull_from=pull.holder.worker_id,
+                pull_blocks=float(pull.blocks),
+                pull_transfer_ms=round(pull.transfer_s * 1000, 3),
+                pull_recompute_ms=round(pull.recompute_s * 1000, 3),
+            )
+        return Scored(w, cost, inputs, compute, pull)
+
+    def plan_pull(self, target: WorkerInfo, match: PrefixMatch) -> PullPlan | None:
+        """Pull from the best holder when moving its extra blocks beats computing them."""
+        if not self.config.pull:
+            return None
+        own = match.held(target.worker_id)
+        for holder, blocks in match.holders:
+            if holder.worker_id == target.worker_id:
+                continue
+            if blocks <= own:
+                return None  # holders are sorted by blocks: nobody has more
+            tokens = (blocks - own) * match.block_size
+            transfer_s = self.estimator.transfer_s(tokens)
+            recompute_s = self.estimator.compute_s(tokens)
+            if transfer_s >= recompute_s:
+                return None
+            return PullPlan(holder, blocks, own, transfer_s, recompute_s)
+        return None

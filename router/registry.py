@@ -125,6 +125,19 @@ class WorkerRegistry:
         skip = set(exclude)
         return [w for w in self._workers.values() if w.pool in pools and w.worker_id not in skip]
 
+    def model_id(self) -> str | None:
+        """The workers' model identity (their block hashes' model id), once one reported it."""
+        for w in self._workers.values():
+            if w.stats.model_name:
+                return w.stats.model_name
+        return None
+
+    def touch(self, worker_id: str) -> None:
+        """Keeps a worker routable without fresh stats (its registry is unreachable)."""
+        info = self._workers.get(worker_id)
+        if info is not None:
+            info.last_seen = self.clock()
+
     def block_size(self, default: int = 16) -> int:
         for w in self._workers.values():
             if w.stats.block_size:

@@ -3,15 +3,30 @@
 Generate, step by step (`_serve`):
   1. validate and tokenize (ModelFrontend) -> INVALID_ARGUMENT with the engine's message;
   2. admission control -> RESOURCE_EXHAUSTED at once when running + queued are full;
-  3. Prefill on the least-loaded prefill worker, unless the prompt is shorter than
-     `disagg_min_prompt_tokens` (conditional disaggregation) or no prefill worker is
-     live. UNAVAILABLE marks that worker down and retries once on another; after
-     that (or on any other failure but a bad request or the deadline) the decode
-     worker prefills locally;
-  4. Decode on the least-loaded decode worker, with the KV handle, relaying every
-     DecodeStep's response. UNAVAILABLE before anything was streamed marks the worker
-     down and retries on another (prefilling there: the handle may be spent); after
-     something was streamed the stream ends with UNAVAILABLE.
+  3. look the prompt's block hashes up in the prefix index (router/prefix.py; one
+     round trip; skipped by policies that ignore it, load only while it is down),
+     and rank the decode workers (router/policy.py: blocks each would not compute,
+     against its load);
+  4. conditional disaggregation: when the best decode worker would compute fewer
+     than `disagg_min_prompt_tokens` prompt tokens (the prompt minus the prefix it
+     holds or will pull: the next turn of a chat it served) or no prefill worker is
+     live, it prefills locally; otherwise Prefill on the best prefill worker.
+     UNAVAILABLE marks that worker down and retries once on another; after that (or
+     on any other failure but a bad request or the deadline) the decode worker
+     prefills locally;
+  5. Decode on the chosen decode worker (re-ranked after a Prefill), with the KV
+     handle, relaying every DecodeStep's response. UNAVAILABLE before anything was
+     streamed marks the worker down and retries on another (prefilling there: the
+     handle may be spent); after something was streamed the stream ends with
+     UNAVAILABLE.
+
+Cross-worker reuse: when the worker about to compute a prompt (a prefill worker, or
+a decode worker prefilling locally) lacks a prefix that another worker holds and
+the policy found pulling it cheaper than computing it (router/cost.py), the router
+asks the holder to ExportPrefix and passes the handle as `prefix`: the worker pulls
+the blocks it lacks into its prefix cache first and releases the lease. A holder
+that no longer has the prefix (a stale index entry) answers NOT_FOUND, and a failed
+pull is computed locally: a stale index costs time, never a wrong answer.
 
 The client's deadline bounds every downstream call (`time_remaining`). A client that
 cancels or disconnects cancels this handler's task: the open downstream call is
@@ -32,6 +47,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -39,16 +55,28 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagedserve.common.prefix_index import IndexUnavailableError
+from pagedserve.common.prefix_index.remote import PrefixIndexServicer
 from pagedserve.common.sampling_params import InvalidRequestError
 from pagedserve.common.worker import GRPC_OPTIONS
 from pagedserve.router.admission import Admission, AdmissionRejected
 from pagedserve.router.config import RouterConfig
+from pagedserve.router.cost import TransferEstimator
 from pagedserve.router.frontend import ModelFrontend, ResolvedRequest
-from pagedserve.router.policy import LeastLoadedPolicy, RouteRequest, RoutingPolicy
+from pagedserve.router.policy import (
+    LeastLoadedPolicy,
+    PrefixAwarePolicy,
+    RouteRequest,
+    RoutingPolicy,
+    Scored,
+)
+from pagedserve.router.prefix import PrefixLookup
 from pagedserve.router.registry import WorkerInfo, WorkerRegistry
 from pagedserve.v1 import (
     generation_pb2,
     generation_pb2_grpc,
+    index_pb2,
+    index_pb2_grpc,
     kvtransfer_pb2,
     worker_pb2,
     worker_pb2_grpc,
@@ -79,6 +107,14 @@ _PASS_THROUGH = {
 # A decode worker refusing a request because its KV import failed under the "fail"
 # policy answers UNAVAILABLE with this prefix; the worker is fine, so no retry.
 _IMPORT_FAILED = "KV import failed"
+EXPORT_TIMEOUT_S = 5.0  # an ExportPrefix only stages cached blocks: it is quick or broken
+
+
+def default_policy(config: RouterConfig) -> RoutingPolicy:
+    """Prefix-aware (the default) or least-loaded (`config.prefix.enabled` False)."""
+    if config.prefix.enabled:
+        return PrefixAwarePolicy(config.prefix, config.load_weights)
+    return LeastLoadedPolicy(config.load_weights)
 
 
 class _Abort(Exception):
@@ -105,9 +141,23 @@ class Router:
         self.config = config
         self.frontend = frontend or ModelFrontend(config)
         self.registry = WorkerRegistry(config.worker_timeout_s)
-        self.policy = policy or LeastLoadedPolicy(config.load_weights)
-        self.admission = Admission(config.max_inflight, config.max_queued)
         self.counters: collections.Counter[str] = collections.Counter()
+        self.policy = policy or default_policy(config)
+        # Shared with the policy, so what the router measures feeds its estimates.
+        self.estimator: TransferEstimator = getattr(self.policy, "estimator", None) or (
+            TransferEstimator(config.prefix)
+        )
+        spec = self.frontend.spec
+        self.estimator.set_model(spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        self.prefix = PrefixLookup(config, self.registry, self.counters)
+        # Redis mode: workers' stats are read from Redis (several routers share them).
+        self.redis_registry = None
+        self._redis_fed: dict[str, int] = {}  # worker id -> timestamp of the stats applied
+        self._registry_outage = False
+        # Seconds from a request's arrival to its routing decision (validation,
+        # tokenizing, admission, hashing, index lookup, ranking), newest last.
+        self.route_latencies: collections.deque[float] = collections.deque(maxlen=100_000)
+        self.admission = Admission(config.max_inflight, config.max_queued)
         self.active_requests: set[str] = set()
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -116,6 +166,7 @@ class Router:
         self._background: set[asyncio.Task] = set()
         self._stopped: asyncio.Event | None = None
         self._sweeper: asyncio.Task | None = None
+        self._poller: asyncio.Task | None = None
         self.registry.listeners.append(self._on_membership_change)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -128,12 +179,16 @@ class Router:
         generation_pb2_grpc.add_GenerationServicer_to_server(_GenerationServicer(self), server)
         worker_pb2_grpc.add_RegistryServicer_to_server(_RegistryServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        names = (
+        names = [
             generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
             worker_pb2.DESCRIPTOR.services_by_name["Registry"].full_name,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
-        )
+        ]
+        if self.prefix.embedded is not None:  # the workers publish their blocks here
+            servicer = PrefixIndexServicer(self.prefix.embedded)
+            index_pb2_grpc.add_PrefixIndexServicer_to_server(servicer, server)
+            names.append(index_pb2.DESCRIPTOR.services_by_name["PrefixIndex"].full_name)
         reflection.enable_server_reflection(names, server)
         port = server.add_insecure_port(self.config.address)
         if port == 0:
@@ -143,12 +198,24 @@ class Router:
         self.server = server
         await self._update_health()
         self._sweeper = asyncio.create_task(self._sweep_loop())
-        logger.info("router serving %s on %s", self.frontend.model_name, self.address)
+        if self.config.redis_url:
+            from pagedserve.common.prefix_index.worker_registry import RedisWorkerRegistry
+
+            self.redis_registry = RedisWorkerRegistry(self.config.redis_url)
+            self._poller = asyncio.create_task(self._registry_poll_loop())
+        logger.info(
+            "router serving %s on %s (index: %s, policy: %s)",
+            self.frontend.model_name,
+            self.address,
+            "redis" if self.config.redis_url else "embedded",
+            type(self.policy).__name__,
+        )
         return self.address
 
     async def stop(self, grace: float = 1.0) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        for task in (self._sweeper, self._poller):
+            if task is not None:
+                task.cancel()
         await self.health.enter_graceful_shutdown()
         if self.server is not None:
             await self.server.stop(grace)
@@ -157,6 +224,9 @@ class Router:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+        self.prefix.close()
+        if self.redis_registry is not None:
+            self.redis_registry.close()
         if self._stopped is not None:
             self._stopped.set()
 
@@ -169,6 +239,47 @@ class Router:
         while True:
             await asyncio.sleep(period)
             self.registry.sweep()
+
+    async def _registry_poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.registry_poll_s)
+            self.poll_redis_registry()
+
+    def poll_redis_registry(self) -> None:
+        """Applies the workers' stats found in Redis (new ones only) and their goodbyes.
+
+        Redis unreachable: the last view is kept (the workers fed from Redis stay
+        routable; a call that fails marks its worker down as usual) until it answers.
+        """
+        from pagedserve.common.prefix_index.worker_registry import TOMBSTONE
+
+        assert self.redis_registry is not None
+        try:
+            entries = self.redis_registry.read()
+        except IndexUnavailableError as e:
+            if not self._registry_outage:
+                logger.warning("worker registry unreachable, keeping the last view: %s", e)
+            self._registry_outage = True
+            self.counters["registry_unavailable"] += 1
+            for wid in self._redis_fed:
+                self.registry.touch(wid)
+            return
+        if self._registry_outage:
+            logger.warning("worker registry reachable again")
+            self._registry_outage = False
+        for wid, data in entries.items():
+            if data == TOMBSTONE:
+                if self._redis_fed.pop(wid, None) is not None:
+                    self.registry.goodbye(wid)
+                continue
+            stats = worker_pb2.WorkerStats.FromString(data)
+            if self._redis_fed.get(wid) == stats.timestamp_unix_ms:
+                continue  # no news: a silent worker is not kept alive by its old key
+            try:
+                self.heartbeat(stats)
+            except ValueError:
+                continue  # another model's worker on the same Redis
+            self._redis_fed[wid] = stats.timestamp_unix_ms
 
     # -- workers ------------------------------------------------------------------------
 
@@ -197,20 +308,40 @@ class Router:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def pick(self, role: str, rr: RouteRequest, exclude: set[str]) -> WorkerInfo | None:
+    def route_request(self, r: ResolvedRequest) -> RouteRequest:
+        """What the policy sees: the request plus, for a prefix-aware policy, the index's
+        per-worker match of its prompt (None while the index is unreachable)."""
+        match = None
+        if self.policy.uses_prefix_index:
+            match = self.prefix.match(r.prompt_token_ids, r.cache_salt)
+            self.counters["index_lookups" if match is not None else "index_skipped"] += 1
+        return RouteRequest(r.request_id, r.prompt_token_ids, r.cache_salt, match)
+
+    def pick(self, role: str, rr: RouteRequest, exclude: set[str]) -> Scored | None:
         """The policy's best live worker for `role`, minus `exclude`; logs the inputs."""
         ranked = self.policy.rank(role, rr, self.registry.candidates(role, exclude))
         if logger.isEnabledFor(logging.DEBUG):
+            m = rr.prefix
             logger.debug(
-                "route %s %s prompt_tokens=%d excluded=%s candidates=%s -> %s",
+                "route %s %s prompt_tokens=%d chain_blocks=%s index=%s excluded=%s "
+                "candidates=%s -> %s",
                 rr.request_id,
                 role,
                 len(rr.prompt_token_ids),
+                m.num_blocks if m else None,
+                dict(m.blocks) if m else "none",
                 sorted(exclude),
                 [(s.worker.worker_id, round(s.score, 3), s.inputs) for s in ranked],
                 ranked[0].worker.worker_id if ranked else None,
             )
-        return ranked[0].worker if ranked else None
+        return ranked[0] if ranked else None
+
+    def preview(
+        self, role: str, prompt_token_ids: list[int], cache_salt: str | None = None
+    ) -> list[Scored]:
+        """How a request with this prompt would be ranked now (for tests and debugging)."""
+        r = ResolvedRequest("preview", list(prompt_token_ids), None, cache_salt)  # type: ignore[arg-type]
+        return self.policy.rank(role, self.route_request(r), self.registry.candidates(role))
 
     # -- Generate -----------------------------------------------------------------------
 
@@ -218,6 +349,7 @@ class Router:
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         self.counters["requests"] += 1
+        arrived = time.perf_counter()
         try:
             resolved = self.frontend.resolve(request)
             if resolved.request_id in self.active_requests:
@@ -238,7 +370,8 @@ class Router:
             self.active_requests.discard(resolved.request_id)
             raise
         try:
-            async with contextlib.aclosing(self._serve(resolved, context)) as responses:
+            serving = self._serve(resolved, context, arrived)
+            async with contextlib.aclosing(serving) as responses:
                 async for response in responses:
                     yield response
         except _Abort as e:
@@ -248,23 +381,36 @@ class Router:
             self.admission.release()
 
     async def _serve(
-        self, r: ResolvedRequest, context: grpc.aio.ServicerContext
+        self, r: ResolvedRequest, context: grpc.aio.ServicerContext, arrived: float
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        rr = RouteRequest(r.request_id, r.prompt_token_ids, r.cache_salt)
-        handle = await self._prefill(r, rr, context)
+        rr = self.route_request(r)
+        first = self.pick("decode", rr, set())
+        if first is None:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, _no_worker_message("decode", set()))
+        disaggregate = self._disaggregate(r, first)
+        self.route_latencies.append(time.perf_counter() - arrived)
+        handle = await self._prefill(r, rr, context) if disaggregate else None
+        # After a Prefill the decode worker only pulls blocks: rank again (loads moved).
+        choice: Scored | None = first if handle is None else None
         lease_open = handle is not None and bool(handle.lease_id)
         tried: set[str] = set()
         streamed = 0
         try:
             while True:
-                worker = self.pick("decode", rr, tried)
-                if worker is None:
+                scored = choice or self.pick("decode", rr, tried)
+                choice = None
+                if scored is None:
                     raise _Abort(grpc.StatusCode.UNAVAILABLE, _no_worker_message("decode", tried))
+                worker = scored.worker
                 tried.add(worker.worker_id)
+                prefix = None
+                if handle is None and scored.pull is not None:
+                    prefix = await self._export_prefix(r, rr, scored, context)
                 req = worker_pb2.DecodeRequest(
                     request=r.tokenized,
                     kv=handle,
                     on_transfer_failure=_POLICY_PB[self.config.transfer_failure_policy],
+                    prefix=prefix,
                 )
                 stub = worker_pb2_grpc.DecodeStub(self.channel(worker.address))
                 call = stub.Decode(req, timeout=context.time_remaining())
@@ -276,6 +422,7 @@ class Router:
                         yield step.response
                     return
                 except grpc.aio.AioRpcError as e:
+                    self._release_lease(prefix)  # if the worker never got to it
                     if not self._decode_retryable(e, worker, streamed):
                         raise _downstream_abort(e, "decode", worker, streamed) from None
                     self.counters["decode_retries"] += 1
@@ -290,6 +437,29 @@ class Router:
             if lease_open:
                 self._release_lease(handle)
 
+    def _disaggregate(self, r: ResolvedRequest, decode: Scored) -> bool:
+        """Prefill on a prefill worker, or locally on `decode`?
+
+        Locally when the part of the prompt `decode` would compute (the prompt minus
+        the prefix it holds or will pull, as the policy scored it) is shorter than
+        `disagg_min_prompt_tokens`, or when no prefill worker is live.
+        """
+        uncached = r.prompt_len if decode.compute_tokens is None else decode.compute_tokens
+        if uncached >= self.config.disagg_min_prompt_tokens:
+            return True
+        logger.debug(
+            "route %s: %d of %d prompt tokens to compute on %s < disagg_min_prompt_tokens %d: "
+            "local prefill",
+            r.request_id,
+            uncached,
+            r.prompt_len,
+            decode.worker.worker_id,
+            self.config.disagg_min_prompt_tokens,
+        )
+        short = r.prompt_len < self.config.disagg_min_prompt_tokens
+        self.counters["local_prefill_short" if short else "local_prefill_cached"] += 1
+        return False
+
     def _decode_retryable(self, e: grpc.aio.AioRpcError, worker: WorkerInfo, streamed: int) -> bool:
         """UNAVAILABLE from a dead worker: mark it down; retry if nothing was streamed."""
         if e.code() != grpc.StatusCode.UNAVAILABLE or e.details().startswith(_IMPORT_FAILED):
@@ -301,31 +471,30 @@ class Router:
         self, r: ResolvedRequest, rr: RouteRequest, context: grpc.aio.ServicerContext
     ) -> kvtransfer_pb2.KVHandle | None:
         """A KV handle from a prefill worker, or None: the decode worker prefills locally."""
-        if r.prompt_len < self.config.disagg_min_prompt_tokens:
-            logger.debug(
-                "route %s: %d prompt tokens < disagg_min_prompt_tokens %d: local prefill",
-                r.request_id,
-                r.prompt_len,
-                self.config.disagg_min_prompt_tokens,
-            )
-            self.counters["local_prefill_short"] += 1
-            return None
-        req = worker_pb2.PrefillRequest(request=r.tokenized)
-        if self.config.lease_ttl_ms is not None:
-            req.lease_ttl_ms = self.config.lease_ttl_ms
         tried: set[str] = set()
         for _attempt in range(2):  # the first choice, then one retry elsewhere
-            worker = self.pick("prefill", rr, tried)
-            if worker is None:
+            scored = self.pick("prefill", rr, tried)
+            if scored is None:
                 break
+            worker = scored.worker
             tried.add(worker.worker_id)
+            req = worker_pb2.PrefillRequest(request=r.tokenized)
+            if self.config.lease_ttl_ms is not None:
+                req.lease_ttl_ms = self.config.lease_ttl_ms
+            prefix = None
+            if scored.pull is not None:
+                prefix = await self._export_prefix(r, rr, scored, context)
+                if prefix is not None:
+                    req.prefix.CopyFrom(prefix)
             stub = worker_pb2_grpc.PrefillStub(self.channel(worker.address))
             worker.inflight += 1
             try:
                 handle = await stub.Prefill(req, timeout=context.time_remaining())
                 self.counters["prefill_calls"] += 1
+                self.estimator.observe_layout(handle.layout)
                 return handle
             except grpc.aio.AioRpcError as e:
+                self._release_lease(prefix)  # if the worker never got to it
                 code = e.code()
                 if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise _downstream_abort(e, "prefill", worker, 0) from None
@@ -345,6 +514,67 @@ class Router:
         self.counters["local_prefill_fallback"] += 1
         return None
 
+    async def _export_prefix(
+        self,
+        r: ResolvedRequest,
+        rr: RouteRequest,
+        scored: Scored,
+        context: grpc.aio.ServicerContext,
+    ) -> kvtransfer_pb2.KVHandle | None:
+        """Asks the holder of the prompt's prefix to export it for `scored.worker`.
+
+        None when the holder no longer has it (NOT_FOUND: a stale index entry) or the
+        call fails: the target then computes the prefix itself.
+        """
+        plan = scored.pull
+        assert plan is not None and rr.prefix is not None
+        tokens = r.prompt_token_ids[: plan.holder_blocks * rr.prefix.block_size]
+        req = worker_pb2.ExportPrefixRequest(
+            token_ids=tokens,
+            cache_salt=r.cache_salt or "",
+            lease_ttl_ms=self.config.prefix.export_lease_ttl_ms,
+        )
+        holder = plan.holder
+        stub = worker_pb2_grpc.PrefillStub(self.channel(holder.address))
+        remaining = context.time_remaining()
+        started = time.perf_counter()
+        try:
+            handle = await stub.ExportPrefix(
+                req,
+                timeout=EXPORT_TIMEOUT_S if remaining is None else min(remaining, EXPORT_TIMEOUT_S),
+            )
+        except grpc.aio.AioRpcError as e:
+            stale = e.code() == grpc.StatusCode.NOT_FOUND
+            self.counters["prefix_export_missing" if stale else "prefix_export_failed"] += 1
+            logger.info(
+                "ExportPrefix of %d blocks for %s on %s failed (%s): %s computes them",
+                plan.holder_blocks,
+                r.request_id,
+                holder.worker_id,
+                e.code().name,
+                scored.worker.worker_id,
+            )
+            return None
+        elapsed = time.perf_counter() - started
+        self.estimator.observe_export(elapsed)
+        self.estimator.observe_layout(handle.layout)
+        self.counters["prefix_exports"] += 1
+        self.counters["prefix_export_blocks"] += len(handle.block_ids)
+        logger.debug(
+            "route %s: %s pulls %d blocks from %s (has %d, holder %d; estimated transfer "
+            "%.2f ms vs recompute %.2f ms; export took %.2f ms)",
+            r.request_id,
+            scored.worker.worker_id,
+            len(handle.block_ids) - plan.own_blocks,
+            holder.worker_id,
+            plan.own_blocks,
+            plan.holder_blocks,
+            plan.transfer_s * 1000,
+            plan.recompute_s * 1000,
+            elapsed * 1000,
+        )
+        return handle
+
     def _release_lease(self, handle: kvtransfer_pb2.KVHandle | None) -> None:
         """Ends an unconsumed lease off the request's path (best effort: leases expire)."""
         if handle is None or not handle.lease_id:
@@ -353,10 +583,11 @@ class Router:
         async def run() -> None:
             stub = worker_pb2_grpc.PrefillStub(self.channel(handle.transfer_address))
             try:
-                await stub.ReleaseLease(
+                resp = await stub.ReleaseLease(
                     worker_pb2.ReleaseLeaseRequest(lease_id=handle.lease_id), timeout=5.0
                 )
-                self.counters["leases_released"] += 1
+                if resp.released:  # False: the worker it was meant for released it already
+                    self.counters["leases_released"] += 1
             except grpc.aio.AioRpcError as e:
                 logger.info("releasing lease %s failed: %s", handle.lease_id, e.code().name)
 

@@ -1,0 +1,132 @@
+"""The router's side of the global prefix index: where it lives, one match per request.
+
+Two homes, one interface (`PrefixIndex`):
+
+- embedded (no Redis configured): an `EmbeddedPrefixIndex` inside this router; the
+  workers publish to it through the router's PrefixIndex gRPC service
+  (`WorkerConfig.index_address` = the router's address);
+- Redis (`RouterConfig.redis_url`): a `RedisPrefixIndex` namespaced by the workers'
+  model id (`WorkerStats.model_name`, which is the engine's `model_id`), opened once
+  the first worker has reported it; the workers publish to Redis themselves, and
+  every router replica reads the same view.
+
+A request's chain of block hashes is computed here exactly as the workers' block
+managers compute it (`block_hashes` with the workers' block size, model id and the
+request's cache salt), over the prompt minus its last token: a worker always
+computes at least one token, so a block ending at the last token is never a hit.
+
+Degraded mode: when the index cannot be reached (`IndexUnavailableError`) the match
+is None and routing goes by load only; the index is tried again after
+`PrefixRouting.index_retry_s`, so an outage costs one failed call per period, not
+one per request. When Redis answers again the workers resync their full lists by
+themselves (their publishers see the empty index as a gap), so the index refills
+within a publisher retry period. A stale entry (a block the worker evicted since)
+costs a recompute on that worker, never a wrong answer: workers compare token ids
+on every hit and an export of a missing prefix answers NOT_FOUND.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from pagedserve.common.block_manager import block_hashes
+from pagedserve.common.prefix_index import (
+    EmbeddedPrefixIndex,
+    IndexUnavailableError,
+    PrefixIndex,
+    open_prefix_index,
+)
+from pagedserve.router.config import RouterConfig
+from pagedserve.router.policy import PrefixMatch
+from pagedserve.router.registry import WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_NAMESPACE = "embedded"  # one router serves one model: no need to tell them apart
+
+
+class PrefixLookup:
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: WorkerRegistry,
+        counters: collections.Counter[str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.counters = counters if counters is not None else collections.Counter()
+        self.clock = clock
+        self.redis_url = config.redis_url
+        # The embedded index, served to the workers by the router (None in Redis mode).
+        self.embedded: EmbeddedPrefixIndex | None = (
+            None if self.redis_url else EmbeddedPrefixIndex(EMBEDDED_NAMESPACE)
+        )
+        self._redis: dict[str, PrefixIndex] = {}  # model id -> its Redis index
+        self._retry_at = 0.0
+        self.unavailable = False  # the last call failed (degraded: load-only routing)
+
+    def index(self, model_id: str | None = None) -> PrefixIndex | None:
+        """The index for `model_id` (the registry's model when None); None if unknown yet."""
+        if self.embedded is not None:
+            return self.embedded
+        model_id = model_id or self.registry.model_id()
+        if not model_id:
+            return None
+        index = self._redis.get(model_id)
+        if index is None:
+            assert self.redis_url
+            index = self._redis[model_id] = open_prefix_index(self.redis_url, model_id)
+            logger.info("prefix index: redis %s, namespace %r", index.url, model_id)  # type: ignore[attr-defined]
+        return index
+
+    def chain(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> list[bytes] | None:
+        """The prompt's block hashes as the workers compute them; None before any worker."""
+        model_id = self.registry.model_id()
+        if model_id is None:
+            return None
+        bs = self.registry.block_size()
+        return block_hashes(prompt_token_ids[:-1], bs, model_id, cache_salt)
+
+    def match(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> PrefixMatch | None:
+        """Per routable worker, how many leading blocks of the prompt it holds.
+
+        None: no worker has reported its model yet, or the index is unreachable
+        (then it is not asked again before `index_retry_s`).
+        """
+        hashes = self.chain(prompt_token_ids, cache_salt)
+        if hashes is None or self.clock() < self._retry_at:
+            return None
+        bs = self.registry.block_size()
+        if not hashes:
+            return PrefixMatch(bs, 0, {})
+        index = self.index()
+        if index is None:
+            return None
+        try:
+            counts = index.match(hashes)
+        except IndexUnavailableError as e:
+            self._outage(e)
+            return None
+        if self.unavailable:
+            logger.warning("prefix index reachable again: prefix-aware routing resumes")
+            self.unavailable = False
+        blocks = {w: n for w, n in counts.items() if n}
+        holders = [(info, n) for w, n in blocks.items() if (info := self.registry.get(w))]
+        holders.sort(key=lambda h: (-h[1], h[0].inflight, h[0].worker_id))
+        return PrefixMatch(bs, len(hashes), blocks, holders)
+
+    def _outage(self, e: IndexUnavailableError) -> None:
+        self.counters["index_unavailable"] += 1
+        self._retry_at = self.clock() + self.config.prefix.index_retry_s
+        if not self.unavailable:
+            logger.warning("prefix index unreachable, routing by load only: %s", e)
+        self.unavailable = True
+
+    def close(self) -> None:
+        for index in self._redis.values():
+            index.close()
+        self._redis.clear()

@@ -106,6 +106,15 @@ class WorkerRuntime:
         self.loop.step_hooks.append(self.index_sync)
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
+        # -- Redis worker registry (issue 6): stats also go to Redis when redis_url is set,
+        # so that every router replica sees this worker (router/server.py reads them).
+        self.registry_publisher = None
+        if config.redis_url:
+            from pagedserve.common.prefix_index.worker_registry import RegistryPublisher
+
+            self.registry_publisher = RegistryPublisher(
+                config.redis_url, config.worker_id, ttl_s=config.index_ttl_s
+            )
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -113,7 +122,7 @@ class WorkerRuntime:
         self.loop.start()
         self.server.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        if self.config.registry_address:
+        if self.config.registry_address or self.registry_publisher is not None:
             self._heartbeat_thread = threading.Thread(
                 target=self._heartbeat_loop, name="heartbeat", daemon=True
             )
@@ -134,6 +143,8 @@ class WorkerRuntime:
                     )
             except grpc.RpcError:
                 pass  # the router is gone too; its heartbeat timeout drops us
+        if self.registry_publisher is not None:
+            self.registry_publisher.goodbye()
         self.server.stop(grace).wait()
         self.loop.stop()
         self.index_sync.goodbye()
@@ -172,18 +183,24 @@ class WorkerRuntime:
         self.loop.call(lambda e: e.check_integrity())
 
     def _heartbeat_loop(self) -> None:
-        assert self.config.registry_address
-        channel = grpc.insecure_channel(self.config.registry_address)
-        stub = worker_pb2_grpc.RegistryStub(channel)
+        address = self.config.registry_address
+        channel = grpc.insecure_channel(address) if address else None
+        stub = worker_pb2_grpc.RegistryStub(channel) if channel else None
         while not self._stop.is_set():
+            stats = None
             try:
-                stub.Heartbeat(worker_pb2.HeartbeatRequest(stats=self.stats()), timeout=2.0)
+                stats = self.stats()
+                if stub is not None:
+                    stub.Heartbeat(worker_pb2.HeartbeatRequest(stats=stats), timeout=2.0)
             except grpc.RpcError as e:
-                logger.debug("heartbeat to %s failed: %s", self.config.registry_address, e)
+                logger.debug("heartbeat to %s failed: %s", address, e)
             except Exception:
                 logger.exception("heartbeat failed")
+            if stats is not None and self.registry_publisher is not None:
+                self.registry_publisher.beat(stats.SerializeToString())  # logs an outage once
             self._stop.wait(self.config.heartbeat_interval_s)
-        channel.close()
+        if channel is not None:
+            channel.close()
 
 
 class _StatusServicer(worker_pb2_grpc.WorkerStatusServicer):

@@ -74,6 +74,8 @@ class EngineStats:
     num_steps: int
     last_step_tokens: int
     last_step_s: float
+    step_s_total: float  # wall time inside step(), summed
+    forward_s_total: float  # of which in the model forward + logits
 
 
 class HostSwapper:
@@ -159,6 +161,8 @@ class LLMEngine:
         self._num_steps = 0
         self._last_step_tokens = 0
         self._last_step_s = 0.0
+        self._step_s = 0.0
+        self._forward_s = 0.0
 
     # -- requests -------------------------------------------------------------
 
@@ -260,7 +264,9 @@ class LLMEngine:
         self.last_step_was_empty = sched.is_empty and not touched
         if sched.is_empty:
             return self._collect(touched)
+        t_fwd = time.perf_counter()
         logits, sampled = self.runner.execute(sched)
+        self._forward_s += time.perf_counter() - t_fwd
         for item in [*sched.prefills, *sched.decodes]:
             item.seq.num_computed_tokens = item.start + item.num_new_tokens
             self.block_manager.mark_computed(item.seq.seq_id, item.seq.num_computed_tokens)
@@ -272,6 +278,7 @@ class LLMEngine:
         self._num_steps += 1
         self._last_step_tokens = sched.num_batched_tokens
         self._last_step_s = time.perf_counter() - t0
+        self._step_s += self._last_step_s
         return self._collect(touched)
 
     def _sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> list[Request]:
@@ -538,6 +545,8 @@ class LLMEngine:
             num_steps=self._num_steps,
             last_step_tokens=self._last_step_tokens,
             last_step_s=self._last_step_s,
+            step_s_total=self._step_s,
+            forward_s_total=self._forward_s,
         )
 
     def check_integrity(self) -> None:

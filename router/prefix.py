@@ -66,7 +66,7 @@ class PrefixLookup:
             None if self.redis_url else EmbeddedPrefixIndex(EMBEDDED_NAMESPACE)
         )
         self._redis: dict[str, PrefixIndex] = {}  # model id -> its Redis index
-        self._retry_at = 0.0
+        self.retry_at = 0.0  # clock time before which the index is not tried (after a failure)
         self.unavailable = False  # the last call failed (degraded: load-only routing)
 
     def index(self, model_id: str | None = None) -> PrefixIndex | None:
@@ -98,7 +98,7 @@ class PrefixLookup:
         (then it is not asked again before `index_retry_s`).
         """
         hashes = self.chain(prompt_token_ids, cache_salt)
-        if hashes is None or self.clock() < self._retry_at:
+        if hashes is None or self.clock() < self.retry_at:
             return None
         bs = self.registry.block_size()
         if not hashes:
@@ -121,7 +121,7 @@ class PrefixLookup:
 
     def _outage(self, e: IndexUnavailableError) -> None:
         self.counters["index_unavailable"] += 1
-        self._retry_at = self.clock() + self.config.prefix.index_retry_s
+        self.retry_at = self.clock() + self.config.prefix.index_retry_s
         if not self.unavailable:
             logger.warning("prefix index unreachable, routing by load only: %s", e)
         self.unavailable = True

@@ -1,0 +1,442 @@
+"""Prefix-aware routing over the global prefix index, with real workers, gRPC and Redis.
+
+Two clusters of 2 prefill + 2 decode in-process workers on the tiny checkpoint: one
+with the embedded index (hosted by the router, workers publish over gRPC), one on a
+real redis-server (workers publish to Redis and register there too). Outputs are
+compared with the single-process engine; what each worker computed is read from its
+engine's counters (`prefill_tokens`: prompt tokens computed, hits excluded).
+
+Prompts are seeded random ids (`prompt(seed, n)`), so no two tests share a block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import grpc
+import pytest
+from builders import one_torch_thread, tiny_checkpoint  # noqa: F401 (autouse fixture)
+from fixtures_redis import RedisServer
+from router_fixtures import MAX_MODEL_LEN, ROUTER_CONFIG, Cluster, tiny_engine_config, wait_for
+
+from pagedserve.common.llm import LLM
+from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.worker import WorkerRuntime
+from pagedserve.router.config import PrefixRouting
+from pagedserve.router.server import RouterHandle, start_router_in_thread
+from pagedserve.v1 import generation_pb2 as gen_pb
+from pagedserve.v1 import worker_pb2, worker_pb2_grpc
+
+BLOCK = 16
+DISAGG_MIN = 32
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+INDEX_TTL_S = 1.0
+# Prefill is priced slow enough (500 tokens/s) that pulling 4 blocks always beats
+# computing them, whatever the ExportPrefix latency measured on a busy test machine.
+ROUTER = dataclasses.replace(
+    ROUTER_CONFIG,
+    disagg_min_prompt_tokens=DISAGG_MIN,
+    worker_timeout_s=2.0,
+    prefix=PrefixRouting(prefill_tokens_per_s=500.0),
+)
+
+
+# ---- clusters ---------------------------------------------------------------------------
+
+
+def start_prefix_cluster(redis_url: str | None, pools: dict[str, int]) -> Cluster:
+    """Router + workers publishing to the router's embedded index, or to Redis."""
+    engine = tiny_engine_config()
+    config = dataclasses.replace(ROUTER, model=engine.model, redis_url=redis_url)
+    cluster = Cluster(start_router_in_thread(config), engine)
+    try:
+        for pool, count in pools.items():
+            for i in range(count):
+                add_worker(cluster, f"{pool[0]}{i}", pool)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def add_worker(cluster: Cluster, worker_id: str, pool: str, **overrides) -> WorkerRuntime:
+    redis_url = cluster.router.router.config.redis_url
+    where = {"redis_url": redis_url} if redis_url else {"index_address": cluster.address}
+    # kv_transport "grpc": in-process workers share one pid, and KVSource names its pooled
+    # shared-memory files by pid + a per-source counter, so two workers' pool files
+    # collide (reported; separate worker processes are not affected).
+    overrides.setdefault("kv_transport", "grpc")
+    return cluster.add_worker(worker_id, pool, index_ttl_s=INDEX_TTL_S, **where, **overrides)
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    """A redis-server of this module's own (the registry keys are not namespaced)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis-prefix-routing"))
+    server.start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def embedded_cluster():
+    c = start_prefix_cluster(None, {"prefill": 2, "decode": 2})
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(redis_url):
+    c = start_prefix_cluster(redis_url, {"prefill": 2, "decode": 2})
+    yield c
+    c.stop()
+
+
+@pytest.fixture(params=["embedded", "redis"])
+def cluster(request) -> Cluster:
+    return request.getfixturevalue(f"{request.param}_cluster")
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(
+        str(tiny_checkpoint("llama")), dtype="float32", num_blocks=128, max_model_len=MAX_MODEL_LEN
+    )
+
+
+# ---- helpers ----------------------------------------------------------------------------
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 313) for _ in range(n)]
+
+
+def reference(llm: LLM, ids: list[int], max_tokens: int) -> list[int]:
+    out = llm.generate([ids], SamplingParams(max_tokens=max_tokens, **GREEDY))[0]
+    return out.completions[0].token_ids
+
+
+def generate(cluster_or_router, ids: list[int], max_tokens: int = 4, salt: str = "") -> list[int]:
+    from pagedserve.router.client import Client
+
+    with Client(cluster_or_router.address, timeout=60) as c:
+        (got,) = c.collect(token_ids=ids, max_tokens=max_tokens, cache_salt=salt, **GREEDY)
+    return got.token_ids
+
+
+def serve_directly(rt: WorkerRuntime, ids: list[int], max_tokens: int = 1, salt: str = ""):
+    """Runs a request on one worker (local prefill + decode), bypassing the router: puts
+    the prompt (and the output) in that worker's prefix cache. Returns the output ids."""
+    req = worker_pb2.TokenizedRequest(
+        request_id=f"direct-{random.getrandbits(48):x}",
+        prompt_token_ids=ids,
+        sampling=gen_pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        cache_salt=salt,
+    )
+    with grpc.insecure_channel(rt.address) as ch:
+        steps = worker_pb2_grpc.DecodeStub(ch).Decode(
+            worker_pb2.DecodeRequest(request=req), timeout=30
+        )
+        return [t for s in steps for t in s.response.token_ids]
+
+
+def computed(rt: WorkerRuntime) -> int:
+    """Prompt tokens this worker's engine computed so far (prefix-cache hits excluded)."""
+    return rt.loop.call(lambda e: e.stats().prefill_tokens)
+
+
+def computed_by(cluster: Cluster) -> dict[str, int]:
+    return {wid: computed(rt) for wid, rt in cluster.workers.items()}
+
+
+def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
+def cached(rt: WorkerRuntime) -> set[bytes]:
+    return set(rt.loop.call(lambda e: e.block_manager.cached_hashes()))
+
+
+def chain(rt: WorkerRuntime, ids: list[int], salt: str | None = None) -> list[bytes]:
+    """The block hashes the router computes for `ids` (all full blocks but the last token's)."""
+    from pagedserve.common.block_manager import block_hashes
+
+    return block_hashes(ids[:-1], BLOCK, rt.engine.model_id, salt)
+
+
+def index_of(router: RouterHandle):
+    return router.call(lambda r: r.prefix.index())
+
+
+def indexed_truly(cluster: Cluster) -> bool:
+    """The index holds exactly every worker's cached hashes."""
+    index = index_of(cluster.router)
+    return index is not None and all(
+        index.worker_hashes(wid) == cached(rt) for wid, rt in cluster.workers.items()
+    )
+
+
+def wait_indexed(cluster: Cluster, timeout: float = 10.0) -> None:
+    wait_for(lambda: indexed_truly(cluster), timeout, "the index to equal the workers' caches")
+
+
+def wait_idle_view(router: RouterHandle) -> None:
+    """Until the router's view of every worker (heartbeat stats) shows no load."""
+
+    def idle(r) -> bool:
+        return all(
+            not (w.inflight or w.stats.num_running or w.stats.num_waiting or w.stats.kv_usage)
+            for w in r.registry.workers()
+        )
+
+    wait_for(lambda: router.call(idle), 10.0, "the router to see every worker idle")
+
+
+def counters(router: RouterHandle) -> dict[str, int]:
+    return router.call(lambda r: dict(r.counters))
+
+
+def counted(before: dict[str, int], after: dict[str, int], name: str) -> int:
+    return after.get(name, 0) - before.get(name, 0)
+
+
+def seed_prefix(cluster: Cluster, worker_id: str, ids: list[int], salt: str = "") -> None:
+    """Put `ids` in one worker's cache and wait until the index (and the router) know it."""
+    serve_directly(cluster.workers[worker_id], ids, salt=salt)
+    wait_indexed(cluster)
+    wait_idle_view(cluster.router)
+
+
+# ---- routing ----------------------------------------------------------------------------
+
+
+def test_requests_sharing_a_system_prompt_land_where_the_prefix_is(cluster, llm):
+    system = prompt(101 + len(cluster.address), 64)  # 4 full blocks
+    # p1 holds the system prompt; least-loaded alone would pick p0 (ties go to the lower id).
+    seed_prefix(cluster, "p1", system + prompt(102, 6))
+    for i in range(3):
+        ids = system + prompt(110 + i, 40)  # 40 new tokens >= DISAGG_MIN: a Prefill call
+        before, c0 = computed_by(cluster), counters(cluster.router)
+        assert generate(cluster, ids, max_tokens=5) == reference(llm, ids, 5)
+        # Only p1 computed, and only the question: 64 tokens were its cache hits.
+        assert delta(before, computed_by(cluster)) == {"p1": len(ids) - 64}
+        c1 = counters(cluster.router)
+        assert counted(c0, c1, "prefill_calls") == 1
+        assert counted(c0, c1, "prefix_exports") == 0
+        wait_idle_view(cluster.router)
+    cluster.wait_quiescent()
+
+
+def test_second_chat_turn_lands_on_the_decode_worker_holding_the_first(cluster, llm):
+    turn1 = prompt(201 + len(cluster.address), 45)
+    answer = serve_directly(cluster.workers["d1"], turn1, max_tokens=12)  # d1 served turn 1
+    assert answer == reference(llm, turn1, 12)
+    wait_indexed(cluster)
+    wait_idle_view(cluster.router)
+    turn2 = turn1 + answer + prompt(202, 9)  # the conversation so far + the new message
+    d1 = cluster.workers["d1"]
+    hit = d1.loop.call(lambda e: e.block_manager.match_prefix(turn2))
+    assert hit == (len(turn1) + len(answer) - 1) // BLOCK * BLOCK  # all but the last token
+    (best,) = cluster.router.call(lambda r: r.preview("decode", turn2))[:1]
+    assert (best.worker.worker_id, best.compute_tokens) == ("d1", len(turn2) - hit)
+
+    before, c0 = computed_by(cluster), counters(cluster.router)
+    assert generate(cluster, turn2, max_tokens=6) == reference(llm, turn2, 6)
+    # Served by d1 without a Prefill call, computing only what it did not hold.
+    assert delta(before, computed_by(cluster)) == {"d1": len(turn2) - hit}
+    c1 = counters(cluster.router)
+    assert counted(c0, c1, "prefill_calls") == 0
+    assert counted(c0, c1, "local_prefill_cached") == 1
+    assert counted(c0, c1, "prefix_exports") == 0
+    cluster.wait_quiescent()
+
+
+def test_cross_worker_pull_comes_from_the_holder_and_equals_recompute(cluster, llm):
+    system = prompt(301 + len(cluster.address), 64)
+    seed_prefix(cluster, "p1", system + prompt(302, 3))
+    holder = cluster.workers["p1"]
+    exports: list[int] = []
+    real_export = holder.kv_source.export
+
+    def spy(kv, table, **kw):  # the holder's real export, counted
+        exports.append(len(table))
+        return real_export(kv, table, **kw)
+
+    holder.kv_source.export = spy
+    try:
+        ids = system + prompt(303, 10)  # 10 new tokens: a decode worker prefills locally
+        before, c0 = computed_by(cluster), counters(cluster.router)
+        assert generate(cluster, ids, max_tokens=6) == reference(llm, ids, 6)
+    finally:
+        del holder.kv_source.export
+    assert exports == [4]  # p1 exported the 4 blocks of the system prompt
+    c1 = counters(cluster.router)
+    assert counted(c0, c1, "prefix_exports") == 1
+    assert counted(c0, c1, "prefix_export_blocks") == 4
+    assert counted(c0, c1, "prefill_calls") == 0
+    # d0 (the tie-break among the decode workers) pulled them and computed only the rest.
+    assert delta(before, computed_by(cluster)) == {"d0": len(ids) - 64}
+    assert set(chain(holder, system + [0])) <= cached(cluster.workers["d0"])
+    cluster.wait_quiescent()
+
+
+def test_cache_salt_isolates_tenants(redis_cluster, llm):
+    cluster = redis_cluster
+    system = prompt(401, 64)
+    seed_prefix(cluster, "p1", system + prompt(402, 5), salt="tenant-a")
+    ids = system + prompt(403, 40)
+    scored = cluster.router.call(lambda r: r.preview("prefill", ids, "tenant-b"))
+    assert [s.inputs["own_blocks"] for s in scored] == [0.0, 0.0]  # nothing shared
+    before = computed_by(cluster)
+    assert generate(cluster, ids, max_tokens=4, salt="tenant-b") == reference(llm, ids, 4)
+    assert delta(before, computed_by(cluster)) == {"p0": len(ids)}  # by load: all computed
+    wait_idle_view(cluster.router)
+
+    before = computed_by(cluster)
+    assert generate(cluster, ids, max_tokens=4, salt="tenant-a") == reference(llm, ids, 4)
+    assert delta(before, computed_by(cluster)) == {"p1": len(ids) - 64}  # tenant a's blocks
+    cluster.wait_quiescent()
+
+
+# ---- several routers, liveness ----------------------------------------------------------
+
+
+@pytest.fixture
+def second_router(redis_cluster):
+    """Another router replica on the same Redis: it knows the workers only from Redis."""
+    config = dataclasses.replace(
+        ROUTER,
+        model=redis_cluster.engine_config.model,
+        redis_url=redis_cluster.router.router.config.redis_url,
+        registry_poll_s=0.1,
+    )
+    router = start_router_in_thread(config)
+    yield router
+    router.stop()
+
+
+def test_two_router_replicas_see_the_same_index_and_route_alike(redis_cluster, second_router, llm):
+    cluster, other = redis_cluster, second_router
+    wait_for(lambda: other.live_worker_ids() == sorted(cluster.workers), what="replica's view")
+    system = prompt(501, 48)
+    seed_prefix(cluster, "d1", system + prompt(502, 4))
+    wait_idle_view(other)
+    ids = system + prompt(503, 12)
+    for role, want in (("decode", ("d1", 12, 3.0, None)), ("prefill", ("p0", 12, 0.0, "d1"))):
+        # Scores differ only by what each router measured itself (ExportPrefix latency).
+        views = [
+            [
+                (
+                    s.worker.worker_id,
+                    s.compute_tokens,
+                    s.inputs["own_blocks"],
+                    s.inputs.get("pull_from"),
+                )
+                for s in r.call(lambda x, role=role: x.preview(role, ids))
+            ]
+            for r in (cluster.router, other)
+        ]
+        assert views[0] == views[1]
+        assert views[0][0] == want  # decode: d1 holds it; prefill: p0 would pull from d1
+    # Through the replica: the same decision as the first router (d1, local prefill).
+    before = computed_by(cluster)
+    assert generate(other, ids, max_tokens=4) == reference(llm, ids, 4)
+    assert delta(before, computed_by(cluster)) == {"d1": len(ids) - 48}
+    cluster.wait_quiescent()
+
+
+def test_worker_killed_without_goodbye_leaves_the_index_within_its_ttl(
+    redis_cluster, second_router
+):
+    cluster, other = redis_cluster, second_router
+    doomed = add_worker(cluster, "d-doomed", "decode")
+    serve_directly(doomed, prompt(601, 40))
+    wait_indexed(cluster)
+    wait_for(lambda: "d-doomed" in other.live_worker_ids(), what="the replica to see it")
+    index = index_of(cluster.router)
+    assert "d-doomed" in index.workers() and index.worker_hashes("d-doomed")
+    cluster.crash("d-doomed")  # no goodbye: its heartbeats just stop
+    # Gone from the index once its TTL lapsed (+ one heartbeat of another worker to reap).
+    wait_for(lambda: "d-doomed" not in index.workers(), INDEX_TTL_S + 1.0, "TTL reaping")
+    wait_for(lambda: not index.worker_hashes("d-doomed"), 2.0, "its entries to go")
+    # And from both routers' registries (no fresh stats for worker_timeout_s).
+    for router in (cluster.router, other):
+        wait_for(lambda r=router: "d-doomed" not in r.live_worker_ids(), 5.0, "registry drop")
+
+
+# ---- outages, gaps, stale entries -------------------------------------------------------
+
+
+def lose_evictions(rt: WorkerRuntime) -> None:
+    """Evict the worker's cached blocks and lose the events that say so, as if their
+    batch never reached the index: the index keeps claiming those blocks (stale) and
+    the worker's next batch starts past what the index expects (a gap)."""
+
+    def run(engine) -> None:
+        engine.block_manager.evict()
+        publisher = rt.index_sync.publisher
+        publisher.add(engine.block_manager.drain_events())  # numbered ...
+        publisher._pending.clear()  # ... and lost in transit
+
+    rt.loop.call(run)
+
+
+def test_event_gap_resyncs_and_stale_entries_cost_a_recompute(cluster, llm):
+    system = prompt(701 + len(cluster.address), 64)
+    seed_prefix(cluster, "p1", system + prompt(702, 2))
+    p1 = cluster.workers["p1"]
+    resyncs = p1.index_sync.publisher.stats.resyncs
+    lose_evictions(p1)
+    index = index_of(cluster.router)
+    assert set(chain(p1, system + [0])) <= index.worker_hashes("p1")  # stale claims
+    assert not cached(p1)
+
+    # The index sends the request to p1, which recomputes everything: same answer.
+    ids = system + prompt(703, 40)
+    before = computed_by(cluster)
+    assert generate(cluster, ids, max_tokens=5) == reference(llm, ids, 5)
+    assert delta(before, computed_by(cluster)) == {"p1": len(ids)}
+    # p1's next batch revealed the gap: it resynced; the index equals every cache again.
+    wait_indexed(cluster)
+    assert p1.index_sync.publisher.stats.resyncs == resyncs + 1
+    assert index.worker_state("p1").needs_resync is False
+
+    # A stale claim met by ExportPrefix: NOT_FOUND, and the puller computes it all.
+    other_system = prompt(705 + len(cluster.address), 64)  # no decode worker holds it
+    seed_prefix(cluster, "p1", other_system + prompt(706, 2))
+    lose_evictions(p1)
+    ids = other_system + prompt(704, 8)
+    before, c0 = computed_by(cluster), counters(cluster.router)
+    assert generate(cluster, ids, max_tokens=5) == reference(llm, ids, 5)
+    assert counted(c0, counters(cluster.router), "prefix_export_missing") == 1
+    assert delta(before, computed_by(cluster)) == {"d0": len(ids)}
+    cluster.wait_quiescent()
+
+
+def test_redis_outage_routes_by_load_then_the_index_repopulates(redis_server_factory, llm):
+    server = redis_server_factory.start()
+    cluster = start_prefix_cluster(server.url, {"prefill": 1, "decode": 1})
+    try:
+        ids = prompt(801, 50)
+        assert generate(cluster, ids) == reference(llm, ids, 4)
+        wait_indexed(cluster)
+        server.stop()
+        c0 = counters(cluster.router)
+        for i in range(3):  # serving continues, by load only
+            ids = prompt(810 + i, 40)
+            assert generate(cluster, ids) == reference(llm, ids, 4)
+        c1 = counters(cluster.router)
+        assert counted(c0, c1, "index_unavailable") >= 1
+        assert counted(c0, c1, "index_skipped") >= 1 and counted(c0, c1, "index_lookups") == 0
+        server.start()  # empty: the workers' publishers resync by themselves
+        wait_indexed(cluster, timeout=15.0)
+        assert all(index_of(cluster.router).worker_hashes(w) for w in cluster.workers)
+        wait_for(lambda: cluster.router.call(lambda r: r.prefix.clock() >= r.prefix.retry_at))
+        c2 = counters(cluster.router)
+        assert generate(cluster, ids) == reference(llm, ids, 4)
+        assert counted(c2, counters(cluster.router), "index_lookups") == 1
+        cluster.wait_quiescent()
+    finally:
+        cluster.stop()

@@ -89,6 +89,7 @@ class Cluster:
                 model=spec.model,
                 worker_timeout_s=spec.worker_timeout_s,
                 disagg_min_prompt_tokens=spec.disagg_min_prompt_tokens,
+                redis_url=spec.redis_url,  # None: the router hosts the prefix index
                 **spec.router_options,
             )
         )
@@ -128,6 +129,10 @@ class Cluster:
             heartbeat_interval_s=spec.heartbeat_interval_s,
             lease_ttl_s=spec.lease_ttl_s,
             kv_transport=spec.kv_transport,  # type: ignore[arg-type]
+            # The prefix index: Redis when configured (the workers also register there),
+            # else the router's embedded index, served at the router's address.
+            redis_url=spec.redis_url,
+            index_address=None if spec.redis_url else self.router.address,
         )
         remote_cls = ray.remote(cls).options(
             name=f"pagedserve-{pool}-{index}",

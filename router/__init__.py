@@ -3,8 +3,12 @@
 - `server.py`: `Router`, `start_router_in_thread(config) -> RouterHandle`, `serve`
 - `config.py`: `RouterConfig`
 - `frontend.py`: tokenizing and validating a GenerateRequest
-- `registry.py`: the embedded worker registry (heartbeats, timeouts)
-- `policy.py`: routing policy (`RoutingPolicy.rank`; least loaded for now)
+- `registry.py`: the worker registry (heartbeats, timeouts; fed from Redis in Redis mode)
+- `policy.py`: routing policies (`RoutingPolicy.rank`): prefix-aware (default),
+  least-loaded, round-robin
+- `prefix.py`: the prefix index as the router sees it (embedded or Redis; one match
+  per request; load-only routing while it is unreachable)
+- `cost.py`: transfer vs recompute estimate for cross-worker prefix pulls
 - `admission.py`: bounded in-flight + queued requests
 - `client.py`: a small sync client of the public API (used by the CLI)
 """

@@ -13,7 +13,7 @@ import logging
 import signal
 import sys
 
-from pagedserve.router.config import DEFAULT_PORT, RouterConfig
+from pagedserve.router.config import DEFAULT_PORT, PrefixRouting, RouterConfig
 from pagedserve.router.server import serve
 
 
@@ -30,6 +30,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disagg-min-prompt-tokens", type=int, default=d.disagg_min_prompt_tokens)
     p.add_argument("--lease-ttl-ms", type=int, default=None)
     p.add_argument("--transfer-failure-policy", choices=["recompute", "fail"], default=None)
+    p.add_argument(
+        "--redis-url", default=None, help="shared prefix index + worker registry (else embedded)"
+    )
+    pr = d.prefix
+    p.add_argument(
+        "--no-prefix-routing", action="store_true", help="route by load only (no index lookups)"
+    )
+    p.add_argument("--no-prefix-pull", action="store_true", help="never pull a prefix")
+    p.add_argument("--prefix-load-weight", type=float, default=pr.load_weight)
+    p.add_argument("--prefill-tokens-per-s", type=float, default=pr.prefill_tokens_per_s)
+    p.add_argument("--transfer-bytes-per-s", type=float, default=pr.transfer_bytes_per_s)
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -48,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
         lease_ttl_ms=args.lease_ttl_ms,
         transfer_failure_policy=args.transfer_failure_policy,
+        redis_url=args.redis_url,
+        prefix=PrefixRouting(
+            enabled=not args.no_prefix_routing,
+            pull=not args.no_prefix_pull,
+            load_weight=args.prefix_load_weight,
+            prefill_tokens_per_s=args.prefill_tokens_per_s,
+            transfer_bytes_per_s=args.transfer_bytes_per_s,
+        ),
     )
     # Ctrl-C (asyncio.run cancels the task) and SIGTERM both stop the router cleanly.
     with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):

@@ -176,6 +176,8 @@ class PrefixAwarePolicy(RoutingPolicy):
         self.config = config or PrefixRouting()
         self.weights = weights or LoadWeights()
         self.estimator = estimator or TransferEstimator(self.config)
+        if self.estimator.config != self.config:
+            raise ValueError("the estimator must be built from the policy's PrefixRouting config")
 
     def rank(
         self, role: str, request: RouteRequest, candidates: Sequence[WorkerInfo]

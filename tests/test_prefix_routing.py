@@ -21,10 +21,14 @@ from fixtures_redis import RedisServer
 from router_fixtures import MAX_MODEL_LEN, ROUTER_CONFIG, Cluster, tiny_engine_config, wait_for
 
 from pagedserve.common.llm import LLM
+from pagedserve.common.prefix_index.worker_registry import RedisWorkerRegistry, RegistryPublisher
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.worker import WorkerRuntime
 from pagedserve.router.config import PrefixRouting
-from pagedserve.router.server import RouterHandle, start_router_in_thread
+from pagedserve.router.cost import TransferEstimator
+from pagedserve.router.policy import PrefixAwarePolicy, PrefixMatch, RoundRobinPolicy, RouteRequest
+from pagedserve.router.registry import WorkerRegistry
+from pagedserve.router.server import Router, RouterHandle, start_router_in_thread
 from pagedserve.v1 import generation_pb2 as gen_pb
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -440,3 +444,86 @@ def test_redis_outage_routes_by_load_then_the_index_repopulates(redis_server_fac
         cluster.wait_quiescent()
     finally:
         cluster.stop()
+
+
+# ---- the policy and the Redis worker registry, without a cluster -------------------------
+
+
+def wstats(worker_id: str, pool=worker_pb2.WORKER_POOL_DECODE, **load) -> worker_pb2.WorkerStats:
+    return worker_pb2.WorkerStats(
+        worker_id=worker_id, pool=pool, address=f"h:{len(worker_id)}", block_size=BLOCK, **load
+    )
+
+
+def test_prefix_policy_trades_cached_blocks_against_load_and_plans_pulls():
+    reg = WorkerRegistry()
+    a, b = reg.heartbeat(wstats("a")), reg.heartbeat(wstats("b"))
+    config = PrefixRouting(
+        load_weight=64.0,
+        prefill_tokens_per_s=1000.0,
+        transfer_bytes_per_s=1e9,
+        transfer_overhead_s=0.005,
+        pull=False,
+    )
+    match = PrefixMatch(BLOCK, 9, {"b": 8}, [(b, 8)])  # b holds 8 of the 9 blocks
+    rr = RouteRequest("r", list(range(150)), None, match)
+    policy = PrefixAwarePolicy(config, estimator=TransferEstimator(config, 1024))
+    ranked = policy.rank("decode", rr, [a, b])
+    assert [(s.worker.worker_id, s.compute_tokens, s.score) for s in ranked] == [
+        ("b", 22, 22.0),
+        ("a", 150, 150.0),
+    ]
+    b.inflight = 2  # 22 + 2 * 64 = 150: a tie, which goes to the lower id
+    assert [s.worker.worker_id for s in policy.rank("decode", rr, [a, b])] == ["a", "b"]
+    b.inflight = 3
+    # With pulls: a takes b's 8 blocks (128 tokens: 5 ms + 131 us to move, 128 ms to compute).
+    config = dataclasses.replace(config, pull=True)
+    policy = PrefixAwarePolicy(config, estimator=TransferEstimator(config, 1024))
+    best = policy.rank("decode", rr, [a, b])[0]
+    assert (best.worker, best.compute_tokens, best.pull.holder, best.pull.blocks) == (a, 22, b, 8)
+    assert best.score == pytest.approx(22 + (0.005 + 128 * 1024 / 1e9) * 1000)
+    assert best.inputs["pull_from"] == "b" and best.inputs["own_blocks"] == 0.0
+    # A link too slow for it: computing is cheaper, so no pull is planned.
+    slow_link = dataclasses.replace(config, pull=True, transfer_bytes_per_s=1e6)
+    slow = PrefixAwarePolicy(slow_link, estimator=TransferEstimator(slow_link, 1024))
+    assert slow.rank("decode", rr, [a])[0].pull is None
+    # No index answer (Redis down): every candidate computes everything; load decides.
+    blind = RouteRequest("r", list(range(150)))
+    assert [s.compute_tokens for s in policy.rank("decode", blind, [a, b])] == [150, 150]
+
+
+def test_round_robin_policy_takes_turns():
+    reg = WorkerRegistry()
+    ws = [reg.heartbeat(wstats(w)) for w in ("w1", "w0", "w2")]
+    rr, policy = RouteRequest("r", [1, 2]), RoundRobinPolicy()
+    firsts = [policy.rank("decode", rr, ws)[0].worker.worker_id for _ in range(4)]
+    assert firsts == ["w0", "w1", "w2", "w0"]
+
+
+def test_router_reads_the_redis_worker_registry(redis_server_factory):
+    server = redis_server_factory.start()
+    model = str(tiny_checkpoint("llama"))
+    router = Router(dataclasses.replace(ROUTER, model=model, redis_url=server.url))
+    router.redis_registry = RedisWorkerRegistry(server.url)
+    router.registry.listeners.clear()  # not started: no health service to update
+    worker = RegistryPublisher(server.url, "w1", ttl_s=5.0)
+    name = f"{router.frontend.model_name}@0123456789abcdef"
+    stats = wstats("w1", model_name=name, timestamp_unix_ms=1000)
+    assert worker.beat(stats.SerializeToString())
+    RegistryPublisher(server.url, "x1", 5.0).beat(
+        wstats("x1", model_name="other-model@00", timestamp_unix_ms=1).SerializeToString()
+    )
+    router.poll_redis_registry()
+    assert [w.worker_id for w in router.registry.workers()] == ["w1"]  # not another model's
+    seen = router.registry.get("w1").last_seen
+    router.poll_redis_registry()  # the same stats again: no news, not refreshed
+    assert router.registry.get("w1").last_seen == seen
+    server.stop()  # unreachable: the last view is kept
+    router.poll_redis_registry()
+    assert router.counters["registry_unavailable"] == 1 and router.registry.get("w1")
+    assert worker.beat(stats.SerializeToString()) is False
+    server.start()
+    worker.goodbye()  # a tombstone: dropped at the next read
+    router.poll_redis_registry()
+    assert router.registry.workers() == [] and router.registry.drops[-1] == ("w1", "goodbye")
+    router.redis_registry.close()

@@ -24,7 +24,7 @@ from pagedserve.common.protocol import logprobs_to_pb, sampling_from_pb
 from pagedserve.common.sampling_params import InvalidRequestError
 from pagedserve.common.sequence import FinishReason, Request, SampleDelta
 from pagedserve.common.worker import WorkerRuntime
-from pagedserve.kvtransfer.handle import ExportedKV, KVLayout
+from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.sinks import CacheSink
 from pagedserve.kvtransfer.wire import KVTransferError
 from pagedserve.v1 import kvtransfer_pb2, worker_pb2, worker_pb2_grpc
@@ -95,10 +95,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                 )
                 handle = exported.to_proto()
                 handle.block_hashes.extend(_hashes)
-            else:
+            else:  # every sample ended on its first token: nothing to hand over
                 states = {}
-                handle.layout.CopyFrom(_layout_pb(KVLayout.of_cache(self.rt.engine.kv_cache.kv)))
-                handle.host_id = self.rt.host_id
         finally:
             self.rt.loop.call(lambda e: e.release_held(rid))
         handle.worker_id = self.rt.config.worker_id
@@ -197,13 +195,3 @@ def _held(engine: LLMEngine, rid: str):
         if s.generator is not None
     }
     return table, hashes, n, states
-
-
-def _layout_pb(lay: KVLayout) -> kvtransfer_pb2.KVLayout:
-    return kvtransfer_pb2.KVLayout(
-        num_layers=lay.num_layers,
-        block_size=lay.block_size,
-        num_kv_heads=lay.num_kv_heads,
-        head_dim=lay.head_dim,
-        dtype=lay.dtype_name,
-    )

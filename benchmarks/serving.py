@@ -147,6 +147,8 @@ def sharegpt_like(
     output within `max_len`."""
     if not 0 < scale <= 1:
         raise ValueError(f"length scale must be in (0, 1], got {scale}")
+    if max_len < 6:
+        raise ValueError(f"max_len must fit 4 prompt + 2 output tokens, got {max_len}")
     out = []
     for _ in range(n):
         prompt_len = max(
@@ -155,6 +157,7 @@ def sharegpt_like(
         output_len = max(
             2, round(scale * _lognormal_length(rng, SHAREGPT_MEAN_OUTPUT, SHAREGPT_SIGMA_OUTPUT))
         )
+        output_len = min(output_len, max_len - 4)
         prompt_len = min(prompt_len, max_len - output_len)
         out.append(RequestSpec("sharegpt", random_prompt(prompt_len, vocab_size, rng), output_len))
     return out

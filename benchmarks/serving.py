@@ -176,9 +176,14 @@ class WorkloadConfig:
     short_prompt_len: int = 16
     short_output_len: int = 32
     # interference
-    long_prompt_len: int = 512
+    # How often the interference shows in p99: a long prompt stalls each sequence
+    # decoding on its worker once, so with W colocated workers about
+    # ITL / (W * long_every_s) of the stream's gaps are stalls (~130 ms / (2 * 2.5 s)
+    # = 2.6% here): well above the 1% a p99 sees. A period much longer than ~6 s
+    # would hide the stalls from p99 entirely.
+    long_prompt_len: int = 384
     long_output_len: int = 4
-    long_every_s: float = 5.0
+    long_every_s: float = 2.5
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "num_short", "short_prompt_len", "long_prompt_len"):
@@ -309,21 +314,22 @@ class SLO:
 
 @dataclass(frozen=True)
 class Stat:
-    """mean / p50 / p99 in milliseconds over `n` values."""
+    """mean / p50 / p99 / max in milliseconds over `n` values (vLLM reports no max;
+    here it shows the longest stall)."""
 
     n: int
     mean: float
     p50: float
     p99: float
+    max: float
 
     @staticmethod
     def of(seconds: Sequence[float]) -> Stat | None:
         if not seconds:
             return None
         a = np.asarray(seconds, dtype=np.float64) * MS
-        return Stat(
-            len(a), float(a.mean()), float(np.percentile(a, 50)), float(np.percentile(a, 99))
-        )
+        p50, p99 = np.percentile(a, [50, 99])
+        return Stat(len(a), float(a.mean()), float(p50), float(p99), float(a.max()))
 
 
 @dataclass(frozen=True)
@@ -603,6 +609,7 @@ COMPARED = (  # (label, phase, metric path), disaggregated / colocated
     ("sharegpt E2E p50", "sharegpt", "e2e.p50"),
     ("decode-stream ITL p99, no interference", "decode", "itl.p99"),
     ("decode-stream ITL p99, interference", "interference/short", "itl.p99"),
+    ("decode-stream ITL max, interference", "interference/short", "itl.max"),
     ("decode-stream TPOT mean, interference", "interference/short", "tpot.mean"),
     ("decode-stream TTFT p99, interference", "interference/short", "ttft.p99"),
 )
@@ -669,7 +676,7 @@ def config_table(metrics: dict[str, Metrics], runs: dict[str, PhaseRun]) -> str:
         ),
     ]
     for name in ("ttft", "tpot", "itl", "e2e"):
-        for stat in ("mean", "p50", "p99"):
+        for stat in ("mean", "p50", "p99", "max"):
             rows.append(
                 (
                     f"{name.upper()} {stat} ms",
@@ -758,6 +765,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="disaggregated: prompts shorter than this prefill on the decode worker",
     )
     p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=2048,
+        help="per request (prompt + output), at most the model's",
+    )
     p.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per worker")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
@@ -807,8 +820,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--phase-timeout-s", type=float, default=120.0, help="cap per phase; then cancel"
     )
     p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument(
+        "--worker-timeout-s",
+        type=float,
+        default=30.0,
+        help="router drops a worker after this long without a heartbeat",
+    )
     p.add_argument("--log-level", default="WARNING")
     return p
+
+
+def _model_max_len(model_dir: os.PathLike) -> int:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return int(json.load(f).get("max_position_embeddings", 1 << 30))
 
 
 def _rate(v: float | None) -> float | None:
@@ -849,11 +873,12 @@ def main(argv: list[str] | None = None) -> int:
         _slo_value(args.slo_ttft_ms), _slo_value(args.slo_tpot_ms), _slo_value(args.slo_e2e_ms)
     )
     model_dir = resolve_model_dir(args.model, progress=progress)
+    max_model_len = min(args.max_model_len, _model_max_len(model_dir))
     engine = EngineConfig(
         model=str(model_dir),
         dtype=args.dtype,
         cache=CacheConfig(kv_cache_bytes=args.kv_cache_mib << 20),
-        scheduler=SchedulerConfig(),
+        scheduler=SchedulerConfig(max_model_len=max_model_len),
         num_threads=args.threads_per_worker,
     )
     configs = [
@@ -874,6 +899,11 @@ def main(argv: list[str] | None = None) -> int:
             num_cpus=os.cpu_count(),
             disagg_min_prompt_tokens=cfg.disagg_min_prompt_tokens,
             log_level=args.log_level,
+            # A worker's heartbeat reads its stats on the engine loop, so it waits for
+            # the running step: a long prefill on this loaded CPU can outlast the 3 s
+            # default and get a busy worker dropped from routing.
+            worker_timeout_s=args.worker_timeout_s,
+            router_options={"max_model_len": max_model_len},
         )
         progress(f"{cfg.name}: {cfg.num_prefill} prefill + {cfg.num_decode} decode worker(s)")
         with Cluster(spec) as cluster:

@@ -78,6 +78,7 @@ def test_summary_matches_vllm_definitions():
     assert m.itl.n == 4  # every gap of every successful request, pooled
     assert (m.itl.mean, m.itl.p50) == (250.0, 187.5)
     assert m.itl.p99 == pytest.approx(250.0 + 0.97 * 250.0)
+    assert (m.itl.max, m.ttft.max, m.e2e.max) == (500.0, 500.0, 1000.0)
     assert (m.e2e.mean, m.e2e.p50) == (pytest.approx(2125.0 / 3), 750.0)
 
 
@@ -174,7 +175,10 @@ def test_workload_is_seeded_and_interference_adds_periodic_long_prompts():
     span = decode.arrivals[-1].at_s
     assert [x.at_s for x in longs] == [2.0 * (k + 0.5) for k in range(len(longs))]
     assert longs[-1].at_s <= span < longs[-1].at_s + 2.0 and not any(x.gated for x in longs)
-    assert all(len(x.spec.prompt_token_ids) == 512 and x.spec.max_tokens == 4 for x in longs)
+    assert all(
+        len(x.spec.prompt_token_ids) == cfg.long_prompt_len and x.spec.max_tokens == 4
+        for x in longs
+    )
     assert [x.at_s for x in interf.arrivals] == sorted(x.at_s for x in interf.arrivals)
     ids = {t for p in a for x in p.arrivals for t in x.spec.prompt_token_ids}
     assert min(ids) >= 100 and max(ids) < 1000  # above the special tokens, within the vocab

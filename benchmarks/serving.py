@@ -600,6 +600,36 @@ def isolation_ratio(metrics: dict[str, Metrics]) -> float | None:
     return _ratio(interf.itl.p99, base.itl.p99)
 
 
+OVERLAP_CLASSES = ("during a long prefill", "during a long decode", "clear of long prompts")
+
+
+def itl_by_overlap(run: PhaseRun) -> dict[str, Stat | None]:
+    """The decode stream's ITL gaps split by what a long prompt was doing meanwhile.
+
+    A long request is "prefilling" from its send to its first token (queueing, the
+    prefill, and in the disaggregated case the KV transfer) and "decoding" from its
+    first to its last token. A gap counts as during a long prefill when it overlaps
+    any prefill window, else as during a long decode when it overlaps a decode window,
+    else as clear. Colocated stalls show up in the first class; a decode worker that
+    slows down because the long sequences join its batch, in the second.
+    """
+    longs = [r for r in run.records if r.kind == "long" and r.success]
+    prefill = [(r.start, r.chunk_times[0]) for r in longs]
+    decode = [(r.chunk_times[0], r.chunk_times[-1]) for r in longs]
+    gaps: dict[str, list[float]] = {c: [] for c in OVERLAP_CLASSES}
+    for r in run.records:
+        if r.kind != "short" or not r.success:
+            continue
+        for a, b in zip(r.chunk_times[:-1], r.chunk_times[1:], strict=True):
+            if any(a < e and b > s for s, e in prefill):
+                gaps[OVERLAP_CLASSES[0]].append(b - a)
+            elif any(a < e and b > s for s, e in decode):
+                gaps[OVERLAP_CLASSES[1]].append(b - a)
+            else:
+                gaps[OVERLAP_CLASSES[2]].append(b - a)
+    return {c: Stat.of(g) for c, g in gaps.items()}
+
+
 COMPARED = (  # (label, phase, metric path), disaggregated / colocated
     ("sharegpt output tok/s", "sharegpt", "output_throughput"),
     ("sharegpt TTFT p50", "sharegpt", "ttft.p50"),
@@ -710,6 +740,22 @@ def comparison_table(cmp: dict) -> str:
     return "\n".join(lines)
 
 
+def overlap_table(by_config: dict[str, dict[str, Stat | None]]) -> str:
+    lines = [
+        "| config | decode-stream gaps (interference phase) | n | mean ms | p50 ms | p99 ms | max ms |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for c, classes in by_config.items():
+        for cls, st in classes.items():
+            vals = (
+                ["0", "–", "–", "–", "–"]
+                if st is None
+                else [str(st.n), _fmt(st.mean), _fmt(st.p50), _fmt(st.p99), _fmt(st.max)]
+            )
+            lines.append(f"| {c} | {cls} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
 def workload_summary(phases: Sequence[Phase]) -> dict[str, dict]:
     out = {}
     for p in phases:
@@ -751,6 +797,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=["colocated", "disaggregated"],
         choices=["colocated", "disaggregated"],
+        help="which configurations, run in this order",
     )
     p.add_argument(
         "--phases",
@@ -881,11 +928,10 @@ def main(argv: list[str] | None = None) -> int:
         scheduler=SchedulerConfig(max_model_len=max_model_len),
         num_threads=args.threads_per_worker,
     )
-    configs = [
-        c
-        for c in serving_configs(args.prefill, args.decode, args.disagg_min_prompt_tokens)
-        if c.name in args.configs
-    ]
+    by_name = {
+        c.name: c for c in serving_configs(args.prefill, args.decode, args.disagg_min_prompt_tokens)
+    }
+    configs = [by_name[n] for n in dict.fromkeys(args.configs)]  # in the order given
     phases: list[Phase] | None = None
     results: dict[str, dict[str, Metrics]] = {}
     runs_by_config: dict[str, dict[str, PhaseRun]] = {}
@@ -927,6 +973,15 @@ def main(argv: list[str] | None = None) -> int:
         results[cfg.name] = phase_metrics(runs, slo)
     assert phases is not None
     cmp = compare(results)
+    overlap = {
+        c: itl_by_overlap(r["interference"])
+        for c, r in runs_by_config.items()
+        if "interference" in r
+    }
+    cmp["interference_itl_by_overlap"] = {
+        c: {cls: None if st is None else asdict(st) for cls, st in v.items()}
+        for c, v in overlap.items()
+    }
     report(args, info.model_name, wl, slo, phases, results, runs_by_config, cmp)
     if args.json:
         write_json(args.json, args, info.model_name, wl, slo, phases, results, runs_by_config, cmp)
@@ -961,6 +1016,16 @@ def report(args, model_name, wl, slo, phases, results, runs_by_config, cmp) -> N
         print(config_table(metrics, runs_by_config[name]))
     print("\n### comparison\n")
     print(comparison_table(cmp))
+    if cmp["interference_itl_by_overlap"]:
+        print()
+        print(
+            overlap_table(
+                {
+                    c: {cls: None if d is None else Stat(**d) for cls, d in v.items()}
+                    for c, v in cmp["interference_itl_by_overlap"].items()
+                }
+            )
+        )
     print()
 
 

@@ -22,6 +22,7 @@ from benchmarks.serving import (
     build_phases,
     compare,
     isolation_ratio,
+    itl_by_overlap,
     measure_config,
     phase_metrics,
     poisson_arrivals,
@@ -151,6 +152,26 @@ def test_isolation_ratio_and_comparison():
     assert (
         cmp["disaggregated_over_colocated"]["sharegpt TTFT p99"]["ratio"] is None
     )  # no such phase
+
+
+def test_itl_split_by_what_long_prompts_were_doing():
+    recs = [
+        # a long prompt: prefilling over (1.0, 2.0), decoding over (2.0, 2.5)
+        RequestRecord("long", 64, 2, start=1.0, chunk_times=[2.0, 2.5], output_tokens=2),
+        RequestRecord("long", 64, 2, start=0.0, error="CANCELLED: ignored"),
+        # gaps: 0.25 clear, 0.75 and 0.625 overlap the prefill, 0.875 the decode
+        RequestRecord(
+            "short", 4, 5, start=0.0, chunk_times=[0.5, 0.75, 1.5, 2.125, 3.0], output_tokens=5
+        ),
+    ]
+    split = itl_by_overlap(PhaseRun("interference", recs, 4.0, 0.0))
+    pre, dec, clear = (
+        split[c] for c in ("during a long prefill", "during a long decode", "clear of long prompts")
+    )
+    assert (pre.n, pre.mean, pre.max) == (2, 687.5, 750.0)
+    assert (dec.n, dec.max, clear.n, clear.max) == (1, 875.0, 1, 250.0)
+    no_long = itl_by_overlap(PhaseRun("decode", recs[2:], 4.0, 0.0))
+    assert [None if st is None else st.n for st in no_long.values()] == [None, None, 4]
 
 
 # -- workload -----------------------------------------------------------------------------

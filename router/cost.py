@@ -6,9 +6,12 @@
 - `kv_bytes_per_token` starts from the model's config (K and V of every layer in
   fp32, the CPU default) and is replaced by the exact size from the layout of the
   first KV handle the router sees (every Prefill and ExportPrefix answer has one).
-- `overhead_s` starts at the configured `transfer_overhead_s` and then follows the
-  measured latency of ExportPrefix calls (an exponential moving average): staging
-  the blocks on the holder is the fixed cost of a pull that the router can see.
+- `overhead_s` starts at the configured `transfer_overhead_s` and then is the
+  lowest ExportPrefix latency among the last `EXPORT_WINDOW` the router measured:
+  the fixed cost of a pull it can see (an RPC, pinning and staging the blocks on the
+  holder). The minimum, not a mean: an export also waits for the holder's current
+  engine step, and on a busy CPU one slow export would otherwise price pulls out
+  for good (no pull, no new measurement) although most are quick.
 - `transfer_bytes_per_s` and `prefill_tokens_per_s` are configured (PrefixRouting):
   the router does not see how long a pull or a prefill took on the worker.
 """
@@ -16,13 +19,14 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 from pagedserve.router.config import PrefixRouting
 
 logger = logging.getLogger(__name__)
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-EWMA_ALPHA = 0.2  # weight of the newest ExportPrefix latency
+EXPORT_WINDOW = 32  # ExportPrefix latencies remembered
 
 
 class TransferEstimator:
@@ -31,6 +35,7 @@ class TransferEstimator:
         self.kv_bytes_per_token = float(kv_bytes_per_token)
         self.overhead_s = config.transfer_overhead_s
         self.exports_measured = 0
+        self._exports: deque[float] = deque(maxlen=EXPORT_WINDOW)
         self._exact = False  # kv_bytes_per_token came from a handle's layout
 
     def transfer_s(self, num_tokens: int) -> float:
@@ -67,8 +72,6 @@ class TransferEstimator:
 
     def observe_export(self, seconds: float) -> None:
         """One measured ExportPrefix round trip."""
-        if self.exports_measured == 0:
-            self.overhead_s = seconds
-        else:
-            self.overhead_s += EWMA_ALPHA * (seconds - self.overhead_s)
+        self._exports.append(seconds)
+        self.overhead_s = min(self._exports)
         self.exports_measured += 1

@@ -38,10 +38,13 @@ class PrefixMatch:
 
     block_size: int
     num_blocks: int  # full blocks in the chain
-    blocks: Mapping[str, int]  # worker id -> leading blocks of the chain it holds
-    # Routable workers holding at least one block, most blocks first (then fewest
-    # of the router's calls open on them, then id): the sources of a pull.
+    # Worker id -> leading blocks of the chain it holds, or will hold once the
+    # requests this router already sent it have computed them (see PrefixLookup).
+    blocks: Mapping[str, int]
+    # Routable workers whose index entries hold at least one block, most blocks first
+    # (then fewest of the router's calls open on them, then id): sources of a pull.
     holders: Sequence[tuple[WorkerInfo, int]] = ()
+    hashes: Sequence[bytes] = ()  # the chain itself
 
     def held(self, worker_id: str) -> int:
         return self.blocks.get(worker_id, 0)
@@ -117,6 +120,14 @@ def worker_load(w: WorkerInfo, weights: LoadWeights) -> tuple[float, dict[str, f
     return load, inputs
 
 
+def occupancy(w: WorkerInfo) -> float:
+    """Fraction of the worker's KV blocks holding something (in use, or cached and free)."""
+    s = w.stats
+    if not s.num_total_blocks:
+        return 0.0
+    return (s.num_total_blocks - s.num_free_blocks + s.num_cached_blocks) / s.num_total_blocks
+
+
 class LeastLoadedPolicy(RoutingPolicy):
     """Least load first; ties go to the lower worker id (deterministic)."""
 
@@ -160,7 +171,10 @@ class PrefixAwarePolicy(RoutingPolicy):
         cost     = prefix_weight * (compute + transfer_s * prefill_tokens_per_s)
                  + load_weight * load                    # load as LeastLoadedPolicy's
 
-    Lowest cost first; ties go to the lower worker id. Without an index answer
+    Lowest cost first; ties (typically: a prefix nobody holds, idle workers) go to
+    the worker whose KV blocks hold the least (in use or cached, as its last
+    heartbeat says), so new prefixes spread over the caches instead of piling up on
+    the lowest id and evicting each other; then to the lower id. Without an index answer
     (`request.prefix` None: no index, or Redis down) every candidate computes the
     whole prompt and the order is the least-loaded one.
     """
@@ -183,7 +197,7 @@ class PrefixAwarePolicy(RoutingPolicy):
         self, role: str, request: RouteRequest, candidates: Sequence[WorkerInfo]
     ) -> list[Scored]:
         scored = [self._score(w, request) for w in candidates]
-        return sorted(scored, key=lambda s: (s.score, s.worker.worker_id))
+        return sorted(scored, key=lambda s: (s.score, occupancy(s.worker), s.worker.worker_id))
 
     def _score(self, w: WorkerInfo, request: RouteRequest) -> Scored:
         load, inputs = worker_load(w, self.weights)

@@ -15,6 +15,13 @@ managers compute it (`block_hashes` with the workers' block size, model id and t
 request's cache salt), over the prompt minus its last token: a worker always
 computes at least one token, so a block ending at the last token is never a hit.
 
+Blocks in flight: a prompt the router has just sent to a worker is not in the index
+until that worker has computed it, so a second request with the same prefix arriving
+meanwhile would see nobody holding it and compute it again elsewhere. The router
+therefore credits a worker with the chain of every request it is computing for this
+router (`reserve`, released when the request ends), as Dynamo's and llm-d's routers
+do; such blocks count for routing but not as a source of a pull.
+
 Degraded mode: when the index cannot be reached (`IndexUnavailableError`) the match
 is None and routing goes by load only; the index is tried again after
 `PrefixRouting.index_retry_s`, so an outage costs one failed call per period, not
@@ -28,6 +35,7 @@ on every hit and an export of a missing prefix answers NOT_FOUND.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -66,6 +74,7 @@ class PrefixLookup:
             None if self.redis_url else EmbeddedPrefixIndex(EMBEDDED_NAMESPACE)
         )
         self._redis: dict[str, PrefixIndex] = {}  # model id -> its Redis index
+        self._pending: dict[str, collections.Counter[bytes]] = {}  # worker -> chain refcounts
         self.retry_at = 0.0  # clock time before which the index is not tried (after a failure)
         self.unavailable = False  # the last call failed (degraded: load-only routing)
 
@@ -81,6 +90,8 @@ class PrefixLookup:
             assert self.redis_url
             index = self._redis[model_id] = open_prefix_index(self.redis_url, model_id)
             logger.info("prefix index: redis %s, namespace %r", index.url, model_id)  # type: ignore[attr-defined]
+            with contextlib.suppress(IndexUnavailableError):  # else loaded on first use
+                index.load_scripts()  # type: ignore[attr-defined]  (even the first match: 1 RTT)
         return index
 
     def chain(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> list[bytes] | None:
@@ -117,7 +128,27 @@ class PrefixLookup:
         blocks = {w: n for w, n in counts.items() if n}
         holders = [(info, n) for w, n in blocks.items() if (info := self.registry.get(w))]
         holders.sort(key=lambda h: (-h[1], h[0].inflight, h[0].worker_id))
-        return PrefixMatch(bs, len(hashes), blocks, holders)
+        for worker_id, pending in self._pending.items():
+            n = next((i for i, h in enumerate(hashes) if h not in pending), len(hashes))
+            if n > blocks.get(worker_id, 0):
+                blocks[worker_id] = n
+        return PrefixMatch(bs, len(hashes), blocks, holders, tuple(hashes))
+
+    def reserve(self, worker_id: str, hashes: Sequence[bytes]) -> Callable[[], None]:
+        """Credit `worker_id` with `hashes` (a request is computing them there) until the
+        returned function is called. Runs on the router's loop: no locks."""
+        pending = self._pending.setdefault(worker_id, collections.Counter())
+        pending.update(hashes)
+
+        def release() -> None:
+            pending.subtract(hashes)
+            for h in hashes:
+                if pending[h] <= 0:
+                    pending.pop(h, None)
+            if not pending and self._pending.get(worker_id) is pending:
+                del self._pending[worker_id]
+
+        return release
 
     def _outage(self, e: IndexUnavailableError) -> None:
         self.counters["index_unavailable"] += 1

@@ -389,7 +389,32 @@ class Router:
             raise _Abort(grpc.StatusCode.UNAVAILABLE, _no_worker_message("decode", set()))
         disaggregate = self._disaggregate(r, first)
         self.route_latencies.append(time.perf_counter() - arrived)
-        handle = await self._prefill(r, rr, context) if disaggregate else None
+        releases: list[Callable[[], None]] = []  # credits for blocks being computed
+        try:
+            async with contextlib.aclosing(
+                self._dispatch(r, rr, context, first, disaggregate, releases)
+            ) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            for release in releases:
+                release()
+
+    def _reserve(self, rr: RouteRequest, worker: WorkerInfo, releases: list) -> None:
+        """Credit `worker` with the prompt's chain while this request computes it there."""
+        if rr.prefix is not None and rr.prefix.hashes:
+            releases.append(self.prefix.reserve(worker.worker_id, rr.prefix.hashes))
+
+    async def _dispatch(
+        self,
+        r: ResolvedRequest,
+        rr: RouteRequest,
+        context: grpc.aio.ServicerContext,
+        first: Scored,
+        disaggregate: bool,
+        releases: list[Callable[[], None]],
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        handle = await self._prefill(r, rr, context, releases) if disaggregate else None
         # After a Prefill the decode worker only pulls blocks: rank again (loads moved).
         choice: Scored | None = first if handle is None else None
         lease_open = handle is not None and bool(handle.lease_id)
@@ -403,6 +428,7 @@ class Router:
                     raise _Abort(grpc.StatusCode.UNAVAILABLE, _no_worker_message("decode", tried))
                 worker = scored.worker
                 tried.add(worker.worker_id)
+                self._reserve(rr, worker, releases)
                 prefix = None
                 if handle is None and scored.pull is not None:
                     prefix = await self._export_prefix(r, rr, scored, context)
@@ -468,7 +494,11 @@ class Router:
         return streamed == 0
 
     async def _prefill(
-        self, r: ResolvedRequest, rr: RouteRequest, context: grpc.aio.ServicerContext
+        self,
+        r: ResolvedRequest,
+        rr: RouteRequest,
+        context: grpc.aio.ServicerContext,
+        releases: list[Callable[[], None]],
     ) -> kvtransfer_pb2.KVHandle | None:
         """A KV handle from a prefill worker, or None: the decode worker prefills locally."""
         tried: set[str] = set()
@@ -478,6 +508,7 @@ class Router:
                 break
             worker = scored.worker
             tried.add(worker.worker_id)
+            self._reserve(rr, worker, releases)
             req = worker_pb2.PrefillRequest(request=r.tokenized)
             if self.config.lease_ttl_ms is not None:
                 req.lease_ttl_ms = self.config.lease_ttl_ms

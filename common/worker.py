@@ -67,12 +67,16 @@ class WorkerConfig:
     redis_url: str | None = None
     index_address: str | None = None
     index_ttl_s: float = 10.0  # a worker silent this long drops out of the index
+    # Prometheus endpoint (common/metrics.py) on `host`: None = none, 0 = any free port.
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.pool not in POOL_TO_PB:
             raise ValueError(f"pool must be one of {sorted(POOL_TO_PB)}, got {self.pool!r}")
         if self.heartbeat_interval_s <= 0 or self.lease_ttl_s <= 0:
             raise ValueError("heartbeat_interval_s and lease_ttl_s must be > 0")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535] or None: {self.metrics_port}")
 
 
 class WorkerRuntime:
@@ -115,6 +119,12 @@ class WorkerRuntime:
             self.registry_publisher = RegistryPublisher(
                 config.redis_url, config.worker_id, ttl_s=config.index_ttl_s
             )
+        # -- Prometheus metrics (common/metrics.py): served by start() when metrics_port is set.
+        self.metrics = None
+        if config.metrics_port is not None:
+            from pagedserve.common.metrics import WorkerMetrics
+
+            self.metrics = WorkerMetrics.attach(self)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -122,6 +132,8 @@ class WorkerRuntime:
         self.loop.start()
         self.server.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        if self.metrics is not None:
+            self.metrics.serve(self.config.host, self.config.metrics_port)
         if self.config.registry_address or self.registry_publisher is not None:
             self._heartbeat_thread = threading.Thread(
                 target=self._heartbeat_loop, name="heartbeat", daemon=True
@@ -146,6 +158,8 @@ class WorkerRuntime:
         if self.registry_publisher is not None:
             self.registry_publisher.goodbye()
         self.server.stop(grace).wait()
+        if self.metrics is not None:
+            self.metrics.close()
         self.loop.stop()
         self.index_sync.goodbye()
         self.kv_source.close()

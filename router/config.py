@@ -111,10 +111,16 @@ class RouterConfig:
     # rediss://... (TLS).
     redis_url: str | None = None
     registry_poll_s: float = 0.25  # how often the Redis worker registry is read
+    # Prometheus endpoint (router/metrics.py) on `host`: None = none, 0 = any free port.
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(
+                f"metrics_port must be in [0, 65535] or None, got {self.metrics_port}"
+            )
         if self.max_inflight < 1:
             raise ConfigError(f"max_inflight must be >= 1, got {self.max_inflight}")
         if self.max_queued < 0:

@@ -63,6 +63,7 @@ from pagedserve.router.admission import Admission, AdmissionRejected
 from pagedserve.router.config import RouterConfig
 from pagedserve.router.cost import TransferEstimator
 from pagedserve.router.frontend import ModelFrontend, ResolvedRequest
+from pagedserve.router.metrics import RouterMetrics
 from pagedserve.router.policy import (
     LeastLoadedPolicy,
     PrefixAwarePolicy,
@@ -168,6 +169,7 @@ class Router:
         self._sweeper: asyncio.Task | None = None
         self._poller: asyncio.Task | None = None
         self.registry.listeners.append(self._on_membership_change)
+        self.metrics = RouterMetrics(self)  # served by start() when config.metrics_port is set
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -196,6 +198,8 @@ class Router:
         self.address = f"{self.config.host}:{port}"
         await server.start()
         self.server = server
+        if self.config.metrics_port is not None:
+            self.metrics.serve(self.config.host, self.config.metrics_port)
         await self._update_health()
         self._sweeper = asyncio.create_task(self._sweep_loop())
         if self.config.redis_url:
@@ -227,6 +231,7 @@ class Router:
         self.prefix.close()
         if self.redis_registry is not None:
             self.redis_registry.close()
+        self.metrics.close()
         if self._stopped is not None:
             self._stopped.set()
 
@@ -315,6 +320,11 @@ class Router:
         if self.policy.uses_prefix_index:
             match = self.prefix.match(r.prompt_token_ids, r.cache_salt)
             self.counters["index_lookups" if match is not None else "index_skipped"] += 1
+            if match is not None and match.holders:  # for the metrics (router/metrics.py)
+                self.counters["index_hits"] += 1
+                self.counters["index_hit_blocks"] += match.holders[0][1]
+            if match is not None:
+                self.counters["index_query_blocks"] += match.num_blocks
         return RouteRequest(r.request_id, r.prompt_token_ids, r.cache_salt, match)
 
     def pick(self, role: str, rr: RouteRequest, exclude: set[str]) -> Scored | None:
@@ -663,7 +673,8 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
         # grpc.aio needs an async generator function here, not one returning a generator.
-        async with contextlib.aclosing(self.router.generate(request, context)) as responses:
+        responses = self.router.metrics.track(self.router.generate(request, context), context)
+        async with contextlib.aclosing(responses) as responses:
             async for response in responses:
                 yield response
 

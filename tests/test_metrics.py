@@ -1,0 +1,271 @@
+"""Prometheus metrics of real in-process workers and a router, scraped over HTTP.
+
+A router and one prefill + one decode worker (tiny checkpoint, real gRPC on
+loopback) each serve their own /metrics on 127.0.0.1 (port 0 = any free port). The
+tests send requests through the router and check the scraped values exactly: token
+counts, request counts by status code, routing decisions, blocks and leases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from builders import one_torch_thread  # noqa: F401  (autouse: one torch thread)
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from router_fixtures import ROUTER_CONFIG, Cluster, tiny_engine_config, wait_for
+
+from pagedserve.common.config import ConfigError
+from pagedserve.common.metrics import WorkerIdentity, WorkerMetrics, WorkerSnapshot
+from pagedserve.common.worker import WorkerConfig
+from pagedserve.router.config import RouterConfig
+from pagedserve.router.server import start_router_in_thread
+
+PROMPT = list(range(5, 45))  # 40 tokens: 2 full blocks of 16 in the chain of 39
+MAX_TOKENS = 7
+
+
+# -- scraping helpers (also used by test_deploy.py) --------------------------------------
+
+
+def scrape_text(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+        assert resp.status == 200
+        return resp.read().decode()
+
+
+def parse_samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """{(sample name, frozenset of label items): value}."""
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def exported_names(text: str) -> set[str]:
+    """Every series name a PromQL query may use, derived from the families' types (a
+    labelled family without children yet still counts: its name is exported)."""
+    names: set[str] = set()
+    suffixes = {
+        "counter": ("_total", "_created"),
+        "histogram": ("_bucket", "_count", "_sum", "_created"),
+        "gauge": ("",),
+    }
+    for family in text_string_to_metric_families(text):
+        names.update(family.name + s for s in suffixes.get(family.type, ("",)))
+        names.update(s.name for s in family.samples)
+    return names
+
+
+class Scrape:
+    """One scrape of one endpoint; `value(name, **labels)` finds exactly one sample."""
+
+    def __init__(self, address: str) -> None:
+        self.text = scrape_text(address)
+        self.samples = parse_samples(self.text)
+
+    def value(self, name: str, **labels: str) -> float:
+        want = set(labels.items())
+        found = [v for (n, ls), v in self.samples.items() if n == name and want <= ls]
+        assert len(found) == 1, f"{name}{labels}: {len(found)} samples in\n{self.text}"
+        return found[0]
+
+    def label_values(self, label: str) -> set[str]:
+        return {v for (_, ls) in self.samples for k, v in ls if k == label}
+
+
+# -- fixtures ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ec = tiny_engine_config()
+    rc = dataclasses.replace(ROUTER_CONFIG, model=ec.model, metrics_port=0)
+    c = Cluster(start_router_in_thread(rc), ec)
+    try:
+        for worker_id, pool in [("p0", "prefill"), ("d0", "decode")]:
+            # The workers publish their cached blocks to the router's embedded index.
+            c.add_worker(worker_id, pool, metrics_port=0, index_address=c.address)
+        yield c
+    finally:
+        c.stop()
+
+
+def router_scrape(c: Cluster) -> Scrape:
+    return Scrape(c.router.router.metrics.server.address)
+
+
+def worker_scrape(c: Cluster, worker_id: str) -> Scrape:
+    return Scrape(c.workers[worker_id].metrics.server.address)
+
+
+def generate(c: Cluster, prompt: list[int]) -> list:
+    with c.client() as client:
+        return list(
+            client.generate(
+                token_ids=prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
+            )
+        )
+
+
+# -- tests -------------------------------------------------------------------------------
+
+
+def test_one_disaggregated_request(cluster):
+    responses = generate(cluster, PROMPT)
+    token_msgs = [r for r in responses if r.token_ids]
+    assert sum(len(r.token_ids) for r in responses) == MAX_TOKENS
+    cluster.wait_quiescent()  # blocks back, leases released
+
+    r = router_scrape(cluster)
+    assert r.value("pagedserve:router_up") == 1
+    assert r.value("pagedserve:router_requests_received_total") == 1
+    assert r.value("pagedserve:router_requests_total", code="OK") == 1
+    assert r.value("pagedserve:router_prompt_tokens_total") == len(PROMPT)
+    assert r.value("pagedserve:router_generation_tokens_total") == MAX_TOKENS
+    assert r.value("pagedserve:router_request_success_total", finished_reason="length") == 1
+    assert r.value("pagedserve:router_time_to_first_token_seconds_count") == 1
+    assert r.value("pagedserve:router_inter_token_latency_seconds_count") == len(token_msgs) - 1
+    assert r.value("pagedserve:router_e2e_request_latency_seconds_count") == 1
+    assert r.value("pagedserve:router_routing_decisions_total", kind="prefill_decode") == 1
+    for kind in ("local_prefill_short", "local_prefill_cached", "cross_worker_pull"):
+        assert r.value("pagedserve:router_routing_decisions_total", kind=kind) == 0
+    assert r.value("pagedserve:router_prefix_index_lookups_total", result="miss") == 1
+    assert r.value("pagedserve:router_prefix_index_lookups_total", result="hit") == 0
+    assert r.value("pagedserve:router_prefix_index_query_blocks_total") == 2
+    assert r.value("pagedserve:router_requests_inflight") == 0
+    assert r.value("pagedserve:router_admission_limit", kind="inflight") == 64
+    assert r.value("pagedserve:router_live_workers", pool="prefill") == 1
+    assert r.value("pagedserve:router_live_workers", pool="decode") == 1
+    assert r.value("pagedserve:router_live_workers", pool="colocated") == 0
+
+    p = worker_scrape(cluster, "p0")
+    assert p.label_values("worker") == {"p0"} and p.label_values("pool") == {"prefill"}
+    assert p.value("pagedserve:engine_up") == 1
+    assert p.value("pagedserve:prompt_tokens_total") == len(PROMPT)
+    assert p.value("pagedserve:generation_tokens_total") == 1  # the first token
+    assert p.value("pagedserve:prefix_cache_queries_total") == len(PROMPT)
+    assert p.value("pagedserve:prefix_cache_hits_total") == 0
+    assert p.value("pagedserve:num_cached_blocks") == 2  # the prompt's full blocks
+    assert p.value("pagedserve:num_used_blocks") == 0
+    assert p.value("pagedserve:num_free_blocks") == 128 - 2
+    assert p.value("pagedserve:num_blocks") == 128
+    assert p.value("pagedserve:kv_cache_usage_perc") == 0
+    assert p.value("pagedserve:kv_open_leases") == 0
+    assert p.value("pagedserve:kv_leases_expired_total") == 0
+    assert p.value("pagedserve:engine_steps_total") == 1
+    assert p.value("pagedserve:engine_step_duration_seconds_count") == 1
+    assert p.value("pagedserve:worker_info", block_size="16") == 1
+
+    d = worker_scrape(cluster, "d0")
+    assert d.label_values("worker") == {"d0"} and d.label_values("pool") == {"decode"}
+    assert d.value("pagedserve:prompt_tokens_total") == 0  # the prompt's KV was pulled
+    assert d.value("pagedserve:generation_tokens_total") == MAX_TOKENS - 1
+    assert d.value("pagedserve:num_requests_running") == 0
+    assert d.value("pagedserve:num_preemptions_total") == 0
+    steps = d.value("pagedserve:engine_steps_total")
+    assert steps == MAX_TOKENS - 1
+    assert d.value("pagedserve:engine_step_duration_seconds_count") == steps
+    # The scraped numbers are the engine's own.
+    stats = cluster.workers["d0"].loop.call(lambda e: e.stats())
+    assert stats.decode_tokens == MAX_TOKENS - 1 and stats.num_steps == steps
+
+
+def test_repeated_prompt_hits_the_prefix_cache_and_index(cluster):
+    r0 = router_scrape(cluster)
+    p0 = worker_scrape(cluster, "p0")
+    # Wait until both workers' blocks of the prompt reached the router's index.
+    wait_for(
+        lambda: len(cluster.router.call(lambda r: r.prefix.match(PROMPT, None)).holders) == 2,
+        what="the prompt's blocks in the prefix index",
+    )
+    generate(cluster, PROMPT)
+    cluster.wait_quiescent()
+
+    r = router_scrape(cluster)
+    hits = "pagedserve:router_prefix_index_lookups_total"
+    assert r.value(hits, result="hit") == r0.value(hits, result="hit") + 1
+    assert r.value("pagedserve:router_prefix_index_hit_blocks_total") == 2
+    assert r.value("pagedserve:router_requests_total", code="OK") == 2
+    assert r.value("pagedserve:router_generation_tokens_total") == 2 * MAX_TOKENS
+    # 40 - 32 cached = 8 tokens to compute >= disagg_min_prompt_tokens: prefill on p0.
+    assert r.value("pagedserve:router_routing_decisions_total", kind="prefill_decode") == 2
+    p = worker_scrape(cluster, "p0")
+    cached = 32
+    assert p.value("pagedserve:prefix_cache_hits_total") == cached
+    assert p.value("pagedserve:prefix_cache_queries_total") == 2 * len(PROMPT)
+    assert (
+        p.value("pagedserve:prompt_tokens_total")
+        == p0.value("pagedserve:prompt_tokens_total") + len(PROMPT) - cached
+    )
+    assert p.value("pagedserve:num_cached_blocks") == 2
+
+
+def test_status_codes_admission_and_live_workers():
+    """A router without workers: UNAVAILABLE, INVALID_ARGUMENT, RESOURCE_EXHAUSTED."""
+    ec = tiny_engine_config()
+    config = RouterConfig(
+        port=0, model=ec.model, max_model_len=256, max_inflight=1, max_queued=0, metrics_port=0
+    )
+    handle = start_router_in_thread(config)
+    address = handle.router.metrics.server.address
+    try:
+        with Cluster(handle, ec).client(timeout=10) as client:
+            for kwargs, code in [
+                ({"max_tokens": 4}, grpc.StatusCode.UNAVAILABLE),  # no decode worker
+                ({"max_tokens": 10_000}, grpc.StatusCode.INVALID_ARGUMENT),
+            ]:
+                with pytest.raises(grpc.RpcError) as err:
+                    client.collect(token_ids=PROMPT, **kwargs)
+                assert err.value.code() == code
+            # Hold the only slot (as a running request would): the next one is refused.
+            asyncio.run_coroutine_threadsafe(handle.router.admission.acquire(), handle.loop).result(
+                5
+            )
+            with pytest.raises(grpc.RpcError) as err:
+                client.collect(token_ids=PROMPT, max_tokens=4)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            held = Scrape(address)
+            handle.call(lambda r: r.admission.release())
+        s = Scrape(address)
+        assert held.value("pagedserve:router_requests_inflight") == 1
+        assert s.value("pagedserve:router_requests_inflight") == 0
+        assert s.value("pagedserve:router_requests_received_total") == 3
+        assert s.value("pagedserve:router_requests_total", code="UNAVAILABLE") == 1
+        assert s.value("pagedserve:router_requests_total", code="INVALID_ARGUMENT") == 1
+        assert s.value("pagedserve:router_requests_total", code="RESOURCE_EXHAUSTED") == 1
+        assert s.value("pagedserve:router_admission_rejections_total") == 1
+        assert s.value("pagedserve:router_e2e_request_latency_seconds_count") == 0  # OK only
+        assert s.value("pagedserve:router_time_to_first_token_seconds_count") == 0
+        assert s.value("pagedserve:router_live_workers", pool="decode") == 0
+    finally:
+        handle.stop()
+    with pytest.raises(urllib.error.URLError):  # the endpoint closed with the router
+        scrape_text(address)
+
+
+def test_engine_that_does_not_answer_reports_engine_up_0():
+    snap = WorkerSnapshot(
+        engine=None, blocks=None, open_leases=2, expired_leases_total=3, staged_bytes=4096
+    )
+    metrics = WorkerMetrics(WorkerIdentity("decode", "d9"), lambda: snap)
+    samples = parse_samples(generate_latest(metrics.registry).decode())
+    labels = frozenset({"pool": "decode", "worker": "d9"}.items())
+    assert samples[("pagedserve:engine_up", labels)] == 0
+    assert samples[("pagedserve:kv_open_leases", labels)] == 2
+    assert samples[("pagedserve:kv_leases_expired_total", labels)] == 3
+    assert samples[("pagedserve:kv_staged_bytes", labels)] == 4096
+    assert not any(name == "pagedserve:num_requests_running" for name, _ in samples)
+
+
+def test_bad_metrics_ports_are_refused():
+    with pytest.raises(ValueError, match="metrics_port"):
+        WorkerConfig("w", "decode", metrics_port=70000)
+    with pytest.raises(ConfigError, match="metrics_port"):
+        RouterConfig(metrics_port=-1)

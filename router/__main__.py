@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-load-weight", type=float, default=pr.load_weight)
     p.add_argument("--prefill-tokens-per-s", type=float, default=pr.prefill_tokens_per_s)
     p.add_argument("--transfer-bytes-per-s", type=float, default=pr.transfer_bytes_per_s)
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 = any free)"
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -60,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         lease_ttl_ms=args.lease_ttl_ms,
         transfer_failure_policy=args.transfer_failure_policy,
         redis_url=args.redis_url,
+        metrics_port=args.metrics_port,
         prefix=PrefixRouting(
             enabled=not args.no_prefix_routing,
             pull=not args.no_prefix_pull,

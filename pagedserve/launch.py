@@ -8,6 +8,12 @@ worker id. gRPC is the data plane. The router runs in this (the driver's) proces
     pagedserve up                         # 1 prefill + 1 decode, default model, serve
     pagedserve up --demo "Hi there"       # ... answer one chat request, then stop
     pagedserve up --ray-address auto --listen-host 0.0.0.0   # join a `ray start` cluster
+    pagedserve up --metrics-port 9400 --worker-metrics-port 9401   # Prometheus endpoints
+
+On Kubernetes (deploy/k8s) the launcher dials a KubeRay cluster through Ray Client
+(`--ray-address ray://HEAD:10001`), pins each worker to a pod of its pool's worker
+group (`--pool-resources`) and tells the workers the router's pod IP
+(`--advertise-host`); see deploy/README.md.
 """
 
 from __future__ import annotations
@@ -46,6 +52,19 @@ class ClusterSpec:
     kv_transport: str = "auto"
     log_level: str = "WARNING"
     router_options: dict[str, Any] = field(default_factory=dict)
+    # -- operations (deploy/README.md) --
+    # The address workers dial for the router's Registry and PrefixIndex services; None =
+    # router_host (which must then be reachable from every worker: not 0.0.0.0).
+    router_advertise_host: str | None = None
+    router_metrics_port: int | None = None  # router's /metrics; None = off, 0 = any free
+    # Workers' /metrics: None = off, 0 = any free port; P: every worker listens on P when
+    # each has a node of its own (pool_resources), else the k-th worker (prefill first)
+    # on P + k, so that workers sharing a machine never collide.
+    worker_metrics_port: int | None = None
+    # Place each worker on a node that offers one unit of the custom resource
+    # "pagedserve_prefill" / "pagedserve_decode" (the KubeRay worker groups and the
+    # `ray start --resources` of deploy/README.md do): one worker per pod or machine.
+    pool_resources: bool = False
 
 
 class Cluster:
@@ -90,10 +109,15 @@ class Cluster:
                 worker_timeout_s=spec.worker_timeout_s,
                 disagg_min_prompt_tokens=spec.disagg_min_prompt_tokens,
                 redis_url=spec.redis_url,  # None: the router hosts the prefix index
+                metrics_port=spec.router_metrics_port,
                 **spec.router_options,
             )
         )
         progress(f"router listening on {self.router.address}")
+        if self.router.router.metrics.server is not None:
+            progress(
+                f"router metrics on http://{self.router.router.metrics.server.address}/metrics"
+            )
         progress(
             f"starting {spec.num_prefill} prefill + {spec.num_decode} decode worker(s) "
             "(loading the model) ..."
@@ -125,14 +149,15 @@ class Cluster:
             engine=replace(spec.engine, model=spec.model),
             host=spec.listen_host,
             advertise_host=None if spec.listen_host != "0.0.0.0" else "auto",
-            registry_address=self.router.address,
+            registry_address=self.router_address_for_workers,
             heartbeat_interval_s=spec.heartbeat_interval_s,
             lease_ttl_s=spec.lease_ttl_s,
             kv_transport=spec.kv_transport,  # type: ignore[arg-type]
             # The prefix index: Redis when configured (the workers also register there),
             # else the router's embedded index, served at the router's address.
             redis_url=spec.redis_url,
-            index_address=None if spec.redis_url else self.router.address,
+            index_address=None if spec.redis_url else self.router_address_for_workers,
+            metrics_port=self._worker_metrics_port(pool, index),
         )
         remote_cls = ray.remote(cls).options(
             name=f"pagedserve-{pool}-{index}",
@@ -141,8 +166,22 @@ class Cluster:
             max_concurrency=8,
             num_cpus=0,  # torch threads are set by EngineConfig.num_threads instead
             num_gpus=spec.gpus_per_worker,
+            resources={f"pagedserve_{pool}": 1} if spec.pool_resources else None,
         )
         return remote_cls.remote(cfg, spec.log_level)
+
+    @property
+    def router_address_for_workers(self) -> str:
+        """host:port of the router as the workers dial it."""
+        return advertised_address(self.router.address, self.spec.router_advertise_host)
+
+    def _worker_metrics_port(self, pool: str, index: int) -> int | None:
+        """See ClusterSpec.worker_metrics_port."""
+        base = self.spec.worker_metrics_port
+        if not base or self.spec.pool_resources:
+            return base
+        k = index if pool == "prefill" else self.spec.num_prefill + index
+        return base + k
 
     def wait_registered(self, timeout_s: float = 30.0) -> None:
         """Until the router routes to every worker (its registry saw their heartbeats)."""
@@ -186,6 +225,13 @@ class Cluster:
         self.stop()
 
 
+def advertised_address(bound: str, advertise_host: str | None) -> str:
+    """`bound` (host:port) with its host replaced by `advertise_host` when given."""
+    if advertise_host is None:
+        return bound
+    return f"{advertise_host}:{bound.rsplit(':', 1)[1]}"
+
+
 def _worker_env() -> dict[str, str]:
     keep = (
         "HF_HUB_OFFLINE",
@@ -212,15 +258,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="router listen address")
     p.add_argument("--listen-host", default="127.0.0.1", help="workers' listen address")
     p.add_argument("--ray-address", default=None, help="join a Ray cluster ('auto' = ray start)")
-    p.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"]
-    )
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache budget per worker")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads-per-worker", type=int, default=None, help="torch threads")
     p.add_argument("--gpus-per-worker", type=float, default=0.0)
     p.add_argument("--redis-url", default=None, help="prefix index / registry in Redis")
+    p.add_argument(
+        "--advertise-host", default=None, help="router address the workers dial (default --host)"
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help="router Prometheus port (0 = any free)"
+    )
+    p.add_argument(
+        "--worker-metrics-port",
+        type=int,
+        default=None,
+        help="workers' Prometheus port: P with --pool-resources, else P + k for the k-th worker",
+    )
+    p.add_argument(
+        "--pool-resources",
+        action="store_true",
+        help="one worker per node offering the pagedserve_prefill/_decode custom resource",
+    )
     p.add_argument(
         "--demo", default=None, metavar="MESSAGE", help="answer one chat message, then stop"
     )
@@ -258,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
         gpus_per_worker=args.gpus_per_worker,
         redis_url=args.redis_url,
         log_level=args.log_level,
+        router_advertise_host=args.advertise_host,
+        router_metrics_port=args.metrics_port,
+        worker_metrics_port=args.worker_metrics_port,
+        pool_resources=args.pool_resources,
     )
     cluster = Cluster(spec)
     try:

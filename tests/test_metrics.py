@@ -20,6 +20,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from router_fixtures import ROUTER_CONFIG, Cluster, tiny_engine_config, wait_for
 
+from pagedserve import launch
 from pagedserve.common.config import ConfigError
 from pagedserve.common.metrics import WorkerIdentity, WorkerMetrics, WorkerSnapshot
 from pagedserve.common.worker import WorkerConfig
@@ -269,3 +270,27 @@ def test_bad_metrics_ports_are_refused():
         WorkerConfig("w", "decode", metrics_port=70000)
     with pytest.raises(ConfigError, match="metrics_port"):
         RouterConfig(metrics_port=-1)
+
+
+def test_launcher_metrics_ports_and_placement():
+    """`pagedserve up` flags: ports per worker, the router address workers dial."""
+    args = launch.build_parser().parse_args(
+        ["--prefill", "2", "--decode", "2", "--metrics-port", "9400"]
+        + ["--worker-metrics-port", "9401", "--advertise-host", "10.0.0.7"]
+    )
+    assert (args.metrics_port, args.worker_metrics_port, args.pool_resources) == (9400, 9401, False)
+    spec = launch.ClusterSpec(num_prefill=2, num_decode=2, worker_metrics_port=9401)
+    c = launch.Cluster(spec)
+    # Workers may share a machine: prefill-0, prefill-1, decode-0, decode-1 on 9401..9404.
+    ports = [c._worker_metrics_port(p, i) for p in ("prefill", "decode") for i in (0, 1)]
+    assert ports == [9401, 9402, 9403, 9404]
+    # One worker per node (custom resources): the same port everywhere.
+    one_per_node = launch.Cluster(dataclasses.replace(spec, pool_resources=True))
+    assert one_per_node._worker_metrics_port("decode", 1) == 9401
+    assert launch.Cluster(launch.ClusterSpec())._worker_metrics_port("decode", 0) is None
+    assert (
+        launch.Cluster(launch.ClusterSpec(worker_metrics_port=0))._worker_metrics_port("decode", 1)
+        == 0
+    )
+    assert launch.advertised_address("0.0.0.0:50051", None) == "0.0.0.0:50051"
+    assert launch.advertised_address("0.0.0.0:50051", "10.0.0.7") == "10.0.0.7:50051"

@@ -45,8 +45,9 @@ class PrefixRouting:
     a 135M model on two cores (SmolLM2-135M fp32 measured 430 tokens/s on one
     thread here, 512-token prompts), ~1 GB/s for the gRPC transport on loopback (shared
     memory is faster), a few ms for ExportPrefix plus the pull's round trips (the
-    router replaces the overhead with the ExportPrefix latency it measures, and
-    the bytes per block with the layout of the handles it sees).
+    router replaces the overhead with the lowest recent ExportPrefix latency it
+    measured, and the KV bytes per token with the layout of the handles it sees;
+    see router/cost.py).
     """
 
     enabled: bool = True  # False: the least-loaded policy, no index lookups

@@ -6,12 +6,13 @@
 - `kv_bytes_per_token` starts from the model's config (K and V of every layer in
   fp32, the CPU default) and is replaced by the exact size from the layout of the
   first KV handle the router sees (every Prefill and ExportPrefix answer has one).
-- `overhead_s` starts at the configured `transfer_overhead_s` and then is the
-  lowest ExportPrefix latency among the last `EXPORT_WINDOW` the router measured:
-  the fixed cost of a pull it can see (an RPC, pinning and staging the blocks on the
-  holder). The minimum, not a mean: an export also waits for the holder's current
-  engine step, and on a busy CPU one slow export would otherwise price pulls out
-  for good (no pull, no new measurement) although most are quick.
+- `overhead_s` is the median ExportPrefix latency the router measured in the last
+  `EXPORT_WINDOW_S` seconds (at most `EXPORT_SAMPLES` of them), else the configured
+  `transfer_overhead_s`: the part of a pull's cost the router can see (an RPC,
+  pinning and staging the blocks on the holder, which waits for the holder's current
+  engine step). The median, so one slow export does not price pulls out; a window
+  in time, so that when exports were too slow to be worth it (no pull, so no new
+  measurement) the configured value comes back and pulls are tried again.
 - `transfer_bytes_per_s` and `prefill_tokens_per_s` are configured (PrefixRouting):
   the router does not see how long a pull or a prefill took on the worker.
 """
@@ -19,24 +20,43 @@
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from collections import deque
+from collections.abc import Callable
 
 from pagedserve.router.config import PrefixRouting
 
 logger = logging.getLogger(__name__)
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-EXPORT_WINDOW = 32  # ExportPrefix latencies remembered
+EXPORT_WINDOW_S = 30.0  # how long an ExportPrefix latency counts
+EXPORT_SAMPLES = 32  # at most this many of them
 
 
 class TransferEstimator:
-    def __init__(self, config: PrefixRouting, kv_bytes_per_token: float = 0.0) -> None:
+    def __init__(
+        self,
+        config: PrefixRouting,
+        kv_bytes_per_token: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.kv_bytes_per_token = float(kv_bytes_per_token)
-        self.overhead_s = config.transfer_overhead_s
+        self.clock = clock
         self.exports_measured = 0
-        self._exports: deque[float] = deque(maxlen=EXPORT_WINDOW)
+        self._exports: deque[tuple[float, float]] = deque(maxlen=EXPORT_SAMPLES)  # (when, s)
         self._exact = False  # kv_bytes_per_token came from a handle's layout
+
+    @property
+    def overhead_s(self) -> float:
+        """The fixed cost of one pull, in seconds (see the module docstring)."""
+        horizon = self.clock() - EXPORT_WINDOW_S
+        while self._exports and self._exports[0][0] < horizon:
+            self._exports.popleft()
+        if not self._exports:
+            return self.config.transfer_overhead_s
+        return statistics.median(s for _, s in self._exports)
 
     def transfer_s(self, num_tokens: int) -> float:
         """Estimated seconds to pull the KV of `num_tokens` tokens from another worker."""
@@ -72,6 +92,5 @@ class TransferEstimator:
 
     def observe_export(self, seconds: float) -> None:
         """One measured ExportPrefix round trip."""
-        self._exports.append(seconds)
-        self.overhead_s = min(self._exports)
+        self._exports.append((self.clock(), seconds))
         self.exports_measured += 1

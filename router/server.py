@@ -692,7 +692,8 @@ class _RegistryServicer(worker_pb2_grpc.RegistryServicer):
         except ValueError as e:
             logger.warning("heartbeat refused: %s", e)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        # resync_needed stays false until the prefix index (issue 6) follows events.
+        # The prefix index asks for resyncs itself (a publisher's batch answered GAP):
+        # nothing to say here.
         return worker_pb2.HeartbeatResponse()
 
     async def Goodbye(self, request, context):  # noqa: N802

@@ -31,19 +31,19 @@ from pagedserve.router.prefix import PrefixLookup
 from pagedserve.router.registry import WorkerRegistry
 from pagedserve.router.server import Router, RouterHandle, start_router_in_thread
 from pagedserve.v1 import generation_pb2 as gen_pb
-from pagedserve.v1 import worker_pb2, worker_pb2_grpc
+from pagedserve.v1 import kvtransfer_pb2, worker_pb2, worker_pb2_grpc
 
 BLOCK = 16
 DISAGG_MIN = 32
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 INDEX_TTL_S = 1.0
-# Prefill is priced slow enough (500 tokens/s) that pulling 4 blocks always beats
+# Prefill is priced slow enough (100 tokens/s) that pulling 3-4 blocks always beats
 # computing them, whatever the ExportPrefix latency measured on a busy test machine.
 ROUTER = dataclasses.replace(
     ROUTER_CONFIG,
     disagg_min_prompt_tokens=DISAGG_MIN,
     worker_timeout_s=2.0,
-    prefix=PrefixRouting(prefill_tokens_per_s=500.0),
+    prefix=PrefixRouting(prefill_tokens_per_s=100.0),
 )
 
 
@@ -551,3 +551,21 @@ def test_blocks_a_worker_is_computing_count_for_routing_but_not_for_pulls():
     assert match.blocks == {"a": 4, "b": 2} and [w for w, _ in match.holders] == [b]
     release()
     assert lookup.match(ids, None).blocks == {"b": 2} and a.worker_id not in lookup._pending
+
+
+def test_transfer_estimate_follows_recent_exports_and_forgets_old_ones():
+    now = [0.0]
+    config = PrefixRouting(transfer_overhead_s=0.005, transfer_bytes_per_s=1e9)
+    est = TransferEstimator(config, 1000.0, clock=lambda: now[0])
+    assert est.transfer_s(100) == pytest.approx(0.005 + 100 * 1000 / 1e9)
+    for s in (0.010, 0.900, 0.020):  # one slow export among quick ones
+        est.observe_export(s)
+    assert est.overhead_s == pytest.approx(0.020)  # the median
+    now[0] = 31.0  # nothing measured for longer than the window: the configured value
+    assert est.overhead_s == pytest.approx(0.005)
+    est.observe_layout(
+        kvtransfer_pb2.KVLayout(
+            num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="float16"
+        )
+    )
+    assert est.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2  # 22.5 KiB: the default model's

@@ -49,6 +49,12 @@ while a decode worker never prefills. The benchmark prints, per configuration, t
 decode stream's p99 ITL with interference over without (target: disaggregated within
 1.5x), and disaggregated / colocated ratios of the main figures.
 
+The load generator runs in the driver, next to the router (Cluster puts it there):
+one thread per request on the synchronous client, timestamps taken on receipt. The
+router's worker timeout is raised to `--worker-timeout-s` (30 s): a worker's heartbeat
+waits for its running engine step, and a long prefill on a loaded CPU outlasts the
+3 s default (seen here: a busy prefill worker dropped from routing).
+
 Bounded: a fixed number of requests per phase, and `--phase-timeout-s` after which
 a phase stops sending and cancels what is still running (counted as failed).
 Under `--concurrency N` the ShareGPT and decode-stream requests are sent as soon as

@@ -170,7 +170,11 @@ class WorkerRuntime:
         logger.warning("lease %s expired unpulled; its KV was freed", lease_id)
 
     def stats(self) -> worker_pb2.WorkerStats:
-        s = self.loop.call(lambda e: e.stats())
+        # Read from this thread, not through the engine loop: a heartbeat must not wait
+        # behind a long prefill step (the router would drop a busy worker). Every field
+        # is an int or a len() read, atomic under the GIL; a snapshot may mix values
+        # from two consecutive steps, which load reporting tolerates.
+        s = self.engine.stats()
         bm = self.engine.block_manager.stats()
         return worker_pb2.WorkerStats(
             worker_id=self.config.worker_id,

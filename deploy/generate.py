@@ -1,0 +1,746 @@
+#!/usr/bin/env python3
+"""Generates the operator files that are derived from one source each:
+
+- deploy/grafana/pagedserve-{prefill,decode,router}.json: one Grafana dashboard per
+  pool, built from the panel lists below (every query names series that
+  common/metrics.py or router/metrics.py exports; tests/test_deploy.py checks it
+  against a real scrape);
+- deploy/k8s/components/monitoring/prometheusrule.yaml: deploy/prometheus/alerts.yml
+  wrapped in a PrometheusRule for the Prometheus operator.
+
+    python deploy/generate.py           # (re)write them
+    python deploy/generate.py --check   # exit 1 if a committed file differs
+
+The outputs are committed (operators import them as they are); edit this script or
+alerts.yml, never the outputs. Standard library + PyYAML only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+DEPLOY = Path(__file__).resolve().parent
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+PROMETHEUS_RULE = DEPLOY / "k8s" / "components" / "monitoring" / "prometheusrule.yaml"
+GRAFANA = DEPLOY / "grafana"
+DS = {"type": "prometheus", "uid": "${datasource}"}
+WIDTH = 24  # Grafana's grid
+
+# -- panels ------------------------------------------------------------------------------
+
+
+class Layout:
+    """Places panels left to right on Grafana's 24-column grid, wrapping rows."""
+
+    def __init__(self) -> None:
+        self.panels: list[dict] = []
+        self.x = 0
+        self.y = 0
+        self.row_h = 0
+
+    def add(self, panel: dict, w: int, h: int) -> None:
+        if self.x + w > WIDTH:
+            self.x, self.y, self.row_h = 0, self.y + self.row_h, 0
+        panel["id"] = len(self.panels) + 1
+        panel["gridPos"] = {"h": h, "w": w, "x": self.x, "y": self.y}
+        self.panels.append(panel)
+        self.x += w
+        self.row_h = max(self.row_h, h)
+
+    def row(self, title: str) -> None:
+        if self.x:
+            self.x, self.y, self.row_h = 0, self.y + self.row_h, 0
+        self.add({"type": "row", "title": title, "collapsed": False, "panels": []}, WIDTH, 1)
+        self.x, self.y, self.row_h = 0, self.y + 1, 0
+
+
+def targets(queries: list[tuple[str, str]]) -> list[dict]:
+    return [
+        {"refId": chr(ord("A") + i), "datasource": DS, "expr": expr, "legendFormat": legend}
+        for i, (expr, legend) in enumerate(queries)
+    ]
+
+
+def timeseries(
+    title: str,
+    queries: list[tuple[str, str]],
+    unit: str = "short",
+    description: str = "",
+    stacked: bool = False,
+    max_value: float | None = None,
+) -> dict:
+    defaults: dict = {
+        "unit": unit,
+        "min": 0,
+        "custom": {
+            "drawStyle": "line",
+            "lineWidth": 1,
+            "fillOpacity": 20 if stacked else 5,
+            "showPoints": "never",
+            "stacking": {"mode": "normal" if stacked else "none", "group": "A"},
+        },
+    }
+    if max_value is not None:
+        defaults["max"] = max_value
+    return {
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "targets": targets(queries),
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+    }
+
+
+def stat(
+    title: str,
+    expr: str,
+    unit: str = "short",
+    description: str = "",
+    thresholds: list[tuple[float | None, str]] | None = None,
+) -> dict:
+    steps = [{"value": v, "color": c} for v, c in (thresholds or [(None, "green")])]
+    return {
+        "type": "stat",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "targets": targets([(expr, "")]),
+        "fieldConfig": {
+            "defaults": {
+                "unit": unit,
+                "thresholds": {"mode": "absolute", "steps": steps},
+            },
+            "overrides": [],
+        },
+        "options": {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "value",
+            "graphMode": "area",
+            "textMode": "auto",
+        },
+    }
+
+
+def quantiles(metric: str, selector: str, by: str = "") -> list[tuple[str, str]]:
+    """p50/p95/p99 of a histogram over the dashboard's rate interval."""
+    group = f"le, {by}" if by else "le"
+    legend = f"p{{q}} {{{{{by}}}}}" if by else "p{q}"
+    return [
+        (
+            f"histogram_quantile({q / 100}, sum by ({group}) "
+            f"(rate({metric}_bucket{{{selector}}}[$__rate_interval])))",
+            legend.format(q=q),
+        )
+        for q in (50, 95, 99)
+    ]
+
+
+def variable_datasource() -> dict:
+    return {
+        "name": "datasource",
+        "label": "Data source",
+        "type": "datasource",
+        "query": "prometheus",
+        "current": {},
+        "hide": 0,
+    }
+
+
+def variable_query(name: str, label: str, query: str) -> dict:
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DS,
+        "definition": query,
+        "query": {"query": query, "refId": name},
+        "refresh": 2,  # on time range change: workers come and go
+        "includeAll": True,
+        "allValue": ".*",
+        "multi": True,
+        "current": {},
+        "sort": 1,
+        "hide": 0,
+    }
+
+
+def dashboard(uid: str, title: str, description: str, variables: list[dict], layout: Layout):
+    return {
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": ["pagedserve"],
+        "editable": True,
+        "graphTooltip": 1,  # shared crosshair
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "30s",
+        "time": {"from": "now-1h", "to": "now"},
+        "timezone": "browser",
+        "annotations": {"list": []},
+        "links": [
+            {
+                "type": "dashboards",
+                "tags": ["pagedserve"],
+                "title": "pagedserve",
+                "asDropdown": True,
+            }
+        ],
+        "templating": {"list": [variable_datasource(), *variables]},
+        "panels": layout.panels,
+    }
+
+
+# -- the worker pools ----------------------------------------------------------------------
+
+
+def pool_dashboard(pool: str) -> dict:
+    """Prefill and decode workers export the same series; each pool's dashboard leads
+    with what matters for it (prompt throughput and cache hits for prefill, generation
+    throughput and batch size for decode)."""
+    s = f'pool="{pool}", worker=~"$worker"'
+    ri = "$__rate_interval"
+    lay = Layout()
+    lay.row("Overview")
+    lay.add(
+        stat(
+            "Workers up",
+            f'count(pagedserve:engine_up{{pool="{pool}"}} == 1)',
+            description="Workers whose engine answered the last scrape.",
+            thresholds=[(None, "red"), (1, "green")],
+        ),
+        4,
+        4,
+    )
+    lay.add(stat("Running sequences", f"sum(pagedserve:num_requests_running{{{s}}})"), 4, 4)
+    lay.add(
+        stat(
+            "Waiting sequences",
+            f"sum(pagedserve:num_requests_waiting{{{s}}})",
+            thresholds=[(None, "green"), (1, "yellow")],
+        ),
+        4,
+        4,
+    )
+    lay.add(
+        stat(
+            "KV cache usage (max)",
+            f"max(pagedserve:kv_cache_usage_perc{{{s}}})",
+            unit="percentunit",
+            thresholds=[(None, "green"), (0.8, "yellow"), (0.9, "red")],
+        ),
+        4,
+        4,
+    )
+    lay.add(
+        stat(
+            "Preemptions (1h)",
+            f"sum(increase(pagedserve:num_preemptions_total{{{s}}}[1h]))",
+            thresholds=[(None, "green"), (1, "red")],
+        ),
+        4,
+        4,
+    )
+    lay.add(
+        stat(
+            "Expired KV leases (1h)",
+            f"sum(increase(pagedserve:kv_leases_expired_total{{{s}}}[1h]))",
+            thresholds=[(None, "green"), (1, "red")],
+        ),
+        4,
+        4,
+    )
+
+    lay.row("Throughput and load")
+    prompt = (
+        f"sum by (worker) (rate(pagedserve:prompt_tokens_total{{{s}}}[{ri}]))",
+        "prompt {{worker}}",
+    )
+    gen = (
+        f"sum by (worker) (rate(pagedserve:generation_tokens_total{{{s}}}[{ri}]))",
+        "generated {{worker}}",
+    )
+    lay.add(
+        timeseries(
+            "Tokens / s",
+            [prompt, gen] if pool == "prefill" else [gen, prompt],
+            description="Prompt tokens computed (prefix-cache hits excluded) and tokens "
+            "generated, per second.",
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Sequences by state",
+            [
+                (f"sum by (worker) (pagedserve:num_requests_running{{{s}}})", "running {{worker}}"),
+                (f"sum by (worker) (pagedserve:num_requests_waiting{{{s}}})", "waiting {{worker}}"),
+                (f"sum by (worker) (pagedserve:num_requests_swapped{{{s}}})", "swapped {{worker}}"),
+            ],
+        ),
+        12,
+        8,
+    )
+
+    lay.row("KV cache")
+    lay.add(
+        timeseries(
+            "KV cache usage",
+            [(f"pagedserve:kv_cache_usage_perc{{{s}}}", "{{worker}}")],
+            unit="percentunit",
+            max_value=1,
+            description="Blocks held by sequences / all blocks (alert above 90%).",
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Blocks",
+            [
+                (f"sum(pagedserve:num_used_blocks{{{s}}})", "used"),
+                (f"sum(pagedserve:num_cached_blocks{{{s}}})", "cached (evictable)"),
+                (f"sum(pagedserve:num_free_blocks{{{s}}})", "free"),
+            ],
+            stacked=True,
+            description="Every block is exactly one of used, cached-and-free, free.",
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Prefix-cache hit rate",
+            [
+                (
+                    f"sum by (worker) (rate(pagedserve:prefix_cache_hits_total{{{s}}}[{ri}])) / "
+                    f"sum by (worker) (rate(pagedserve:prefix_cache_queries_total{{{s}}}[{ri}]))",
+                    "{{worker}}",
+                )
+            ],
+            unit="percentunit",
+            max_value=1,
+            description="Prompt tokens found cached / prompt tokens looked up.",
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Preemptions and evictions / s",
+            [
+                (
+                    f"sum by (worker) (rate(pagedserve:num_preemptions_total{{{s}}}[{ri}]))",
+                    "preemptions {{worker}}",
+                ),
+                (
+                    f"sum by (worker) (rate(pagedserve:prefix_cache_evictions_total{{{s}}}[{ri}]))",
+                    "evictions {{worker}}",
+                ),
+            ],
+            description="Preemptions: the pool is short of KV blocks. Evictions: cached "
+            "prefixes dropped (LRU) to make room.",
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "KV cache blocks (pool size)",
+            [(f"pagedserve:num_blocks{{{s}}}", "{{worker}}")],
+        ),
+        12,
+        8,
+    )
+
+    lay.row("Engine")
+    lay.add(
+        timeseries(
+            "Step time",
+            quantiles("pagedserve:engine_step_duration_seconds", s),
+            unit="s",
+            description="One engine step: schedule, model forward, sample.",
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Steps / s",
+            [(f"sum by (worker) (rate(pagedserve:engine_steps_total{{{s}}}[{ri}]))", "{{worker}}")],
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Model forward share of step time",
+            [
+                (
+                    f"sum by (worker) (rate(pagedserve:engine_forward_seconds_total{{{s}}}[{ri}])) / "
+                    f"sum by (worker) (rate(pagedserve:engine_step_duration_seconds_sum{{{s}}}[{ri}]))",
+                    "{{worker}}",
+                )
+            ],
+            unit="percentunit",
+            max_value=1,
+            description="The rest is scheduling, sampling and bookkeeping overhead.",
+        ),
+        8,
+        8,
+    )
+
+    lay.row("KV transfer leases")
+    lay.add(
+        timeseries(
+            "Open leases",
+            [(f"pagedserve:kv_open_leases{{{s}}}", "{{worker}}")],
+            description="Exported KV block sets waiting to be pulled.",
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Expired leases / s",
+            [
+                (
+                    f"sum by (worker) (rate(pagedserve:kv_leases_expired_total{{{s}}}[{ri}]))",
+                    "{{worker}}",
+                )
+            ],
+            description="Exported KV nobody pulled in time: lost work (alerted).",
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Staged KV bytes",
+            [(f"pagedserve:kv_staged_bytes{{{s}}}", "{{worker}}")],
+            unit="bytes",
+        ),
+        8,
+        8,
+    )
+    return dashboard(
+        f"pagedserve-{pool}",
+        f"pagedserve / {pool} pool",
+        f"The {pool} workers of pagedserve (common/metrics.py).",
+        [
+            variable_query(
+                "worker", "Worker", f'label_values(pagedserve:worker_info{{pool="{pool}"}}, worker)'
+            )
+        ],
+        lay,
+    )
+
+
+# -- the router -------------------------------------------------------------------------------
+
+
+def router_dashboard() -> dict:
+    s = 'instance=~"$instance"'
+    ri = "$__rate_interval"
+
+    def rate(metric: str, extra: str = "", by: str = "") -> str:
+        sel = f"{s}, {extra}" if extra else s
+        grouping = f" by ({by})" if by else ""
+        return f"sum{grouping} (rate({metric}{{{sel}}}[{ri}]))"
+
+    failed = rate("pagedserve:router_requests_total", extra='code!="OK"')
+    lookups = "pagedserve:router_prefix_index_lookups_total"
+    hits = rate(lookups, extra='result="hit"') + " / " + rate(lookups, extra='result=~"hit|miss"')
+    lay = Layout()
+    lay.row("Overview")
+    lay.add(stat("Requests / s", rate("pagedserve:router_requests_total"), unit="reqps"), 4, 4)
+    lay.add(
+        stat(
+            "Failed requests",
+            failed + " / " + rate("pagedserve:router_requests_total"),
+            unit="percentunit",
+            thresholds=[(None, "green"), (0.01, "yellow"), (0.05, "red")],
+        ),
+        4,
+        4,
+    )
+    lay.add(stat("In flight", f"sum(pagedserve:router_requests_inflight{{{s}}})"), 4, 4)
+    lay.add(
+        stat(
+            "Queued",
+            f"sum(pagedserve:router_requests_queued{{{s}}})",
+            thresholds=[(None, "green"), (1, "yellow")],
+        ),
+        4,
+        4,
+    )
+    lay.add(
+        stat(
+            "Live decode workers",
+            f'min(sum by (instance) (pagedserve:router_live_workers{{{s}, pool=~"decode|colocated"}}))',
+            thresholds=[(None, "red"), (1, "green")],
+        ),
+        4,
+        4,
+    )
+    lay.add(
+        stat(
+            "Live prefill workers",
+            f'min(sum by (instance) (pagedserve:router_live_workers{{{s}, pool="prefill"}}))',
+            thresholds=[(None, "yellow"), (1, "green")],
+        ),
+        4,
+        4,
+    )
+
+    lay.row("Requests")
+    lay.add(
+        timeseries(
+            "Requests / s by status code",
+            [(rate("pagedserve:router_requests_total", by="code"), "{{code}}")],
+            unit="reqps",
+            stacked=True,
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Samples / s by finish reason",
+            [
+                (
+                    rate("pagedserve:router_request_success_total", by="finished_reason"),
+                    "{{finished_reason}}",
+                )
+            ],
+            stacked=True,
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Admission: in flight and queued vs limits",
+            [
+                (f"sum(pagedserve:router_requests_inflight{{{s}}})", "in flight"),
+                (f"sum(pagedserve:router_requests_queued{{{s}}})", "queued"),
+                (
+                    f'sum(pagedserve:router_admission_limit{{{s}, kind="inflight"}})',
+                    "max in flight",
+                ),
+                (f'sum(pagedserve:router_admission_limit{{{s}, kind="queued"}})', "max queued"),
+                (rate("pagedserve:router_admission_rejections_total"), "rejected / s"),
+            ],
+            description="Beyond both limits requests are rejected with RESOURCE_EXHAUSTED.",
+        ),
+        8,
+        8,
+    )
+
+    lay.row("Latency (as clients see it)")
+    lay.add(
+        timeseries(
+            "Time to first token",
+            quantiles("pagedserve:router_time_to_first_token_seconds", s),
+            unit="s",
+            description="Arrival at the router to the first token streamed.",
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Inter-token latency",
+            quantiles("pagedserve:router_inter_token_latency_seconds", s),
+            unit="s",
+            description="Gap between consecutive streamed tokens of a sample.",
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "End-to-end latency",
+            quantiles("pagedserve:router_e2e_request_latency_seconds", s),
+            unit="s",
+            description="Arrival to the end of the stream, successful requests.",
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Tokens / s",
+            [
+                (rate("pagedserve:router_prompt_tokens_total"), "prompt"),
+                (rate("pagedserve:router_generation_tokens_total"), "generated"),
+            ],
+        ),
+        24,
+        8,
+    )
+
+    lay.row("Routing and prefix reuse")
+    lay.add(
+        timeseries(
+            "Routing decisions / s",
+            [(rate("pagedserve:router_routing_decisions_total", by="kind"), "{{kind}}")],
+            stacked=True,
+            description="prefill_decode: disaggregated; local_prefill_*: the decode worker "
+            "computed the prompt (short, mostly cached, or no prefill worker answered); "
+            "cross_worker_pull: a cached prefix was pulled from another worker.",
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Prefix index hit rate",
+            [
+                (
+                    hits,
+                    "requests with a cached prefix somewhere",
+                ),
+                (
+                    f"{rate('pagedserve:router_prefix_index_hit_blocks_total')} / "
+                    f"{rate('pagedserve:router_prefix_index_query_blocks_total')}",
+                    "prompt blocks held by the best holder",
+                ),
+            ],
+            unit="percentunit",
+            max_value=1,
+        ),
+        12,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Prefix exports (cross-worker pulls) / s",
+            [
+                (rate("pagedserve:router_prefix_exports_total", by="outcome"), "{{outcome}}"),
+                (rate("pagedserve:router_prefix_export_blocks_total"), "blocks"),
+            ],
+            description="missing: the index named a holder that had evicted the prefix.",
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Prefix index and registry health",
+            [
+                (f"min(pagedserve:router_prefix_index_up{{{s}}})", "index up"),
+                (f"min(pagedserve:router_up{{{s}}})", "router loop up"),
+                (rate("pagedserve:router_prefix_index_unavailable_total"), "index failures / s"),
+                (
+                    rate("pagedserve:router_worker_registry_unavailable_total"),
+                    "registry failures / s",
+                ),
+                (
+                    rate("pagedserve:router_prefix_index_lookups_total", extra='result="skipped"'),
+                    "lookups skipped / s",
+                ),
+            ],
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Live workers by pool",
+            [
+                (
+                    f"max by (pool) (pagedserve:router_live_workers{{{s}}})",
+                    "{{pool}}",
+                )
+            ],
+        ),
+        8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Retries and released leases / s",
+            [
+                (rate("pagedserve:router_retries_total", by="pool"), "retries {{pool}}"),
+                (rate("pagedserve:router_leases_released_total"), "leases released"),
+            ],
+            description="A retry follows an UNAVAILABLE worker; the router releases the "
+            "leases of KV handles no decode worker consumed.",
+        ),
+        24,
+        8,
+    )
+    return dashboard(
+        "pagedserve-router",
+        "pagedserve / router",
+        "The pagedserve routers (router/metrics.py).",
+        [variable_query("instance", "Router", "label_values(pagedserve:router_up, instance)")],
+        lay,
+    )
+
+
+# -- outputs ----------------------------------------------------------------------------------
+
+
+def prometheus_rule() -> str:
+    groups = yaml.safe_load(ALERTS.read_text())["groups"]
+    rule = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {
+            "name": "pagedserve",
+            "labels": {"app.kubernetes.io/name": "pagedserve", "release": "prometheus"},
+        },
+        "spec": {"groups": groups},
+    }
+    header = "# GENERATED by deploy/generate.py from deploy/prometheus/alerts.yml: do not edit.\n"
+    return header + yaml.safe_dump(rule, sort_keys=False, width=1000)
+
+
+def outputs() -> dict[Path, str]:
+    out = {PROMETHEUS_RULE: prometheus_rule()}
+    for name, board in [
+        ("prefill", pool_dashboard("prefill")),
+        ("decode", pool_dashboard("decode")),
+        ("router", router_dashboard()),
+    ]:
+        out[GRAFANA / f"pagedserve-{name}.json"] = json.dumps(board, indent=2) + "\n"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="exit 1 if an output differs")
+    args = p.parse_args(argv)
+    stale = []
+    for path, text in outputs().items():
+        current = path.read_text() if path.exists() else None
+        if current == text:
+            continue
+        if args.check:
+            stale.append(path)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            print(f"wrote {path.relative_to(DEPLOY.parent)}")
+    if stale:
+        names = ", ".join(str(p.relative_to(DEPLOY.parent)) for p in stale)
+        print(f"stale generated files: {names} (run python deploy/generate.py)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -464,7 +464,16 @@ def router_dashboard() -> dict:
     hits = rate(lookups, extra='result="hit"') + " / " + rate(lookups, extra='result=~"hit|miss"')
     lay = Layout()
     lay.row("Overview")
-    lay.add(stat("Requests / s", rate("pagedserve:router_requests_total"), unit="reqps"), 4, 4)
+    lay.add(
+        stat(
+            "Requests / s",
+            rate("pagedserve:router_requests_received_total"),
+            unit="reqps",
+            description="Generate calls arriving.",
+        ),
+        4,
+        4,
+    )
     lay.add(
         stat(
             "Failed requests",

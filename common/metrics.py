@@ -7,14 +7,17 @@ in common/ that imports `prometheus_client`. Each worker serves its own endpoint
 with `pool` and `worker`, so one Prometheus query sums a pool or picks a worker.
 
 Decisions:
-- Read at scrape time, not pushed: a scrape runs one closure on the engine thread
-  (`EngineLoop.call`), so it sees one consistent state (the counters of the request
-  that just finished included) and costs the engine nothing between scrapes. If the
-  engine thread does not answer within `scrape_timeout_s`, the scrape still succeeds
-  with `pagedserve:engine_up 0` and the lease numbers (which live off that thread).
-- The step-time histogram is the one thing that needs every step: a step hook on the
-  engine thread observes each new step's duration (steps are counted by the engine,
-  so an idle tick observes nothing).
+- Read at scrape time, not pushed, from the scraping thread, like the worker's
+  heartbeats (`WorkerRuntime.stats`): a scrape must not wait behind a long prefill
+  step. Every field is an int or a len() read, atomic under the GIL; one snapshot may
+  mix two consecutive steps, which a 15 s scrape tolerates. Nothing costs the
+  engine anything between scrapes.
+- Liveness from progress, not from answering: a step hook (engine thread, after
+  every step and every idle tick, ~50 ms apart when idle) stamps the time, so
+  `pagedserve:engine_tick_age_seconds` grows only while one step runs or the loop is
+  stuck, and `pagedserve:engine_up` is 0 once it exceeds `stall_s` (60 s: far above
+  any sane step). The same hook observes each new step's duration for the histogram
+  (steps are counted by the engine, so an idle tick observes nothing).
 - One `CollectorRegistry` per worker (never the global one), so several workers and
   routers in one process (tests, a single-machine cluster) keep their series apart.
 - Names follow vLLM's (`vllm:num_requests_running` -> `pagedserve:num_requests_running`);
@@ -23,7 +26,9 @@ Decisions:
 
 Series (labels `pool`, `worker` on all):
   pagedserve:worker_info{model, address, block_size}   1
-  pagedserve:engine_up                                  1, or 0 when the engine did not answer
+  pagedserve:engine_up                                  0 when the engine loop made no progress
+                                                        for stall_s (or its counters failed)
+  pagedserve:engine_tick_age_seconds                    since the loop last ended a step/tick
   pagedserve:num_requests_running / _waiting / _swapped sequences (samples) in each queue
   pagedserve:kv_cache_usage_perc                        blocks held by sequences / all blocks
   pagedserve:num_blocks / num_free_blocks / num_cached_blocks / num_used_blocks
@@ -40,6 +45,7 @@ Series (labels `pool`, `worker` on all):
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -73,6 +79,8 @@ class WorkerSnapshot:
     open_leases: int
     expired_leases_total: int
     staged_bytes: int
+    tick_age_s: float = 0.0  # seconds since the engine loop last ended a step or idle tick
+    engine_up: bool = True  # the loop made progress within stall_s
 
 
 @dataclass(frozen=True)
@@ -133,7 +141,14 @@ class _WorkerCollector(Collector):
         yield info
         snap = self.snapshot()
         yield self._gauge(
-            "engine_up", "1 when the engine thread answered this scrape.", snap.engine is not None
+            "engine_up",
+            "1 while the engine loop makes progress (0: stuck, or its counters unreadable).",
+            snap.engine_up and snap.engine is not None,
+        )
+        yield self._gauge(
+            "engine_tick_age_seconds",
+            "Seconds since the engine loop last ended a step or an idle tick.",
+            snap.tick_age_s,
         )
         yield self._gauge(
             "kv_open_leases", "Exported KV block sets not yet released.", snap.open_leases
@@ -207,12 +222,13 @@ class WorkerMetrics:
             registry=self.registry,
         ).labels(identity.pool, identity.worker)
         self._steps_seen = 0
+        self.last_tick = time.monotonic()  # see on_step
         self.server: MetricsServer | None = None
 
     @classmethod
-    def attach(cls, runtime: WorkerRuntime, scrape_timeout_s: float = 5.0) -> WorkerMetrics:
-        """Metrics of `runtime`: scrapes read the engine on its loop thread, a step hook
-        feeds the histogram. Call before the loop starts (hooks are not locked)."""
+    def attach(cls, runtime: WorkerRuntime, stall_s: float = 60.0) -> WorkerMetrics:
+        """Metrics of `runtime`: scrapes read its counters, a step hook stamps progress
+        and feeds the histogram. Call before the loop starts (hooks are not locked)."""
         engine = runtime.engine
         source = runtime.kv_source
         identity = WorkerIdentity(
@@ -222,17 +238,23 @@ class WorkerMetrics:
             address=runtime.address,
             block_size=engine.block_manager.block_size,
         )
+        metrics: WorkerMetrics
 
         def snapshot() -> WorkerSnapshot:
+            e = b = None
             try:
-                e, b = runtime.loop.call(
-                    lambda eng: (eng.stats(), eng.block_manager.stats()), timeout=scrape_timeout_s
-                )
-            except Exception as err:  # a stopped or stuck engine thread: say so, keep serving
-                logger.warning("metrics: engine of %s did not answer: %s", identity.worker, err)
-                e = b = None
+                e, b = engine.stats(), engine.block_manager.stats()
+            except Exception:  # not expected (len() reads); report it instead of failing
+                logger.exception("metrics: reading the engine of %s failed", identity.worker)
+            age = time.monotonic() - metrics.last_tick
             return WorkerSnapshot(
-                e, b, source.open_leases, source.expired_total, source.staged_bytes
+                e,
+                b,
+                source.open_leases,
+                source.expired_total,
+                source.staged_bytes,
+                tick_age_s=age,
+                engine_up=age < stall_s,
             )
 
         metrics = cls(identity, snapshot)
@@ -241,7 +263,9 @@ class WorkerMetrics:
         return metrics
 
     def on_step(self, engine: LLMEngine) -> None:
-        """Step hook (engine thread): observes the duration of a step not yet seen."""
+        """Step hook (engine thread, after every step and idle tick): stamps progress,
+        observes the duration of a step not yet seen."""
+        self.last_tick = time.monotonic()
         s = engine.stats()
         if s.num_steps != self._steps_seen:  # hooks run after every step: at most one new
             self._steps_seen = s.num_steps

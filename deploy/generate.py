@@ -401,6 +401,18 @@ def pool_dashboard(pool: str) -> dict:
         8,
     )
 
+    lay.add(
+        timeseries(
+            "Engine loop: seconds since the last step or idle tick",
+            [(f"pagedserve:engine_tick_age_seconds{{{s}}}", "{{worker}}")],
+            unit="s",
+            description="Grows only while one step runs; above 60 s engine_up drops to 0 "
+            "(alerted).",
+        ),
+        24,
+        6,
+    )
+
     lay.row("KV transfer leases")
     lay.add(
         timeseries(

@@ -26,6 +26,7 @@ from pagedserve.common.metrics import WorkerIdentity, WorkerMetrics, WorkerSnaps
 from pagedserve.common.worker import WorkerConfig
 from pagedserve.router.config import RouterConfig
 from pagedserve.router.server import start_router_in_thread
+from pagedserve.worker import start_worker
 
 PROMPT = list(range(5, 45))  # 40 tokens: 2 full blocks of 16 in the chain of 39
 MAX_TOKENS = 7
@@ -263,6 +264,26 @@ def test_engine_that_does_not_answer_reports_engine_up_0():
     assert samples[("pagedserve:kv_leases_expired_total", labels)] == 3
     assert samples[("pagedserve:kv_staged_bytes", labels)] == 4096
     assert not any(name == "pagedserve:num_requests_running" for name, _ in samples)
+
+
+def test_engine_progress_and_stall():
+    """engine_up follows the loop's progress: idle ticks keep it up, a stopped loop not."""
+    rt = start_worker(WorkerConfig("s0", "decode", tiny_engine_config(), metrics_port=0))
+    try:
+        metrics = WorkerMetrics.attach(rt, stall_s=0.5)  # a second exporter, quick to stall
+        labels = frozenset({"pool": "decode", "worker": "s0"}.items())
+
+        def read(name: str) -> float:
+            return parse_samples(generate_latest(metrics.registry).decode())[(name, labels)]
+
+        wait_for(lambda: metrics.last_tick > 0 and read("pagedserve:engine_tick_age_seconds") < 0.5)
+        assert read("pagedserve:engine_up") == 1  # idle: the loop ticks every ~50 ms
+        rt.loop.stop()
+        wait_for(lambda: read("pagedserve:engine_up") == 0, what="engine_up to drop")
+        assert read("pagedserve:engine_tick_age_seconds") >= 0.5
+        assert Scrape(rt.metrics.server.address).value("pagedserve:engine_up") == 1  # 60 s
+    finally:
+        rt.stop(grace=0.2)
 
 
 def test_bad_metrics_ports_are_refused():

@@ -34,6 +34,7 @@ class PrefixRouting:
     Every candidate gets a cost in *prompt-token equivalents*:
 
         cost = prefix_weight * (tokens it must compute + transfer cost in tokens)
+             + evict_weight  * tokens of other prefixes its cache would evict
              + load_weight   * load                    # load as in LoadWeights
 
     where "tokens it must compute" are the prompt tokens beyond the prefix it holds
@@ -56,6 +57,9 @@ class PrefixRouting:
     # this many prompt tokens: a worker 512 cached tokens ahead keeps a request until
     # it has about 8 more requests than the others.
     load_weight: float = 64.0
+    # An evicted cached token is computed again later with about this probability:
+    # what duplicating a prefix on a full worker costs (policy.py).
+    evict_weight: float = 0.5
     pull: bool = True  # cross-worker reuse: pull a prefix from its holder when cheaper
     prefill_tokens_per_s: float = 1000.0
     transfer_bytes_per_s: float = 1.0e9
@@ -67,7 +71,7 @@ class PrefixRouting:
     index_retry_s: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("prefix_weight", "load_weight", "transfer_overhead_s"):
+        for name in ("prefix_weight", "load_weight", "evict_weight", "transfer_overhead_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("prefill_tokens_per_s", "transfer_bytes_per_s", "index_retry_s"):

@@ -120,6 +120,15 @@ def worker_load(w: WorkerInfo, weights: LoadWeights) -> tuple[float, dict[str, f
     return load, inputs
 
 
+def evictions(w: WorkerInfo, new_blocks: int) -> int:
+    """Cached blocks `w` would evict to hold `new_blocks` more (0 if stats are unknown)."""
+    s = w.stats
+    if not s.num_total_blocks or new_blocks <= 0:
+        return 0
+    empty = s.num_free_blocks - s.num_cached_blocks  # free and holding nothing
+    return max(0, new_blocks - empty)
+
+
 def occupancy(w: WorkerInfo) -> float:
     """Fraction of the worker's KV blocks holding something (in use, or cached and free)."""
     s = w.stats
@@ -168,8 +177,15 @@ class PrefixAwarePolicy(RoutingPolicy):
                    is estimated cheaper than computing them
         reuse    = h if pull else own
         compute  = P - reuse * b                         # tokens it would compute
+        evicted  = blocks of the chain it lacks (to pull or compute) beyond its
+                   empty blocks: each evicts a cached block of another prefix
         cost     = prefix_weight * (compute + transfer_s * prefill_tokens_per_s)
+                 + evict_weight * evicted * b            # expected recompute later
                  + load_weight * load                    # load as LeastLoadedPolicy's
+
+    The eviction term is what makes a holder worth a little queueing when caches are
+    full: sending a request elsewhere (even with a cheap pull) duplicates its prefix
+    and pushes some other prefix out of that worker's cache.
 
     Lowest cost first; ties (typically: a prefix nobody holds, idle workers) go to
     the worker whose KV blocks hold the least (in use or cached, as its last
@@ -209,12 +225,19 @@ class PrefixAwarePolicy(RoutingPolicy):
         bs = match.block_size if match else 0
         compute = prompt_len - reuse * bs
         transfer_tokens = pull.transfer_s * self.config.prefill_tokens_per_s if pull else 0.0
+        # Blocks it would newly cache (pulled or computed) beyond its empty ones evict
+        # other cached prefixes, some of which will be computed again.
+        new_blocks = match.num_blocks - own if match else 0
+        evicted = evictions(w, new_blocks)
         cost = (
-            self.config.prefix_weight * (compute + transfer_tokens) + self.config.load_weight * load
+            self.config.prefix_weight * (compute + transfer_tokens)
+            + self.config.evict_weight * evicted * bs
+            + self.config.load_weight * load
         )
         inputs.update(
             own_blocks=float(own),
             compute_tokens=float(compute),
+            evicts_blocks=float(evicted),
             load=round(load, 4),
         )
         if pull:

@@ -569,3 +569,19 @@ def test_transfer_estimate_follows_recent_exports_and_forgets_old_ones():
         )
     )
     assert est.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2  # 22.5 KiB: the default model's
+
+
+def test_a_full_cache_makes_duplicating_a_prefix_cost_its_evictions():
+    reg = WorkerRegistry()
+    full = dict(num_total_blocks=64, num_free_blocks=64, num_cached_blocks=64)
+    holder = reg.heartbeat(wstats("h", num_running=1, **full))
+    other = reg.heartbeat(wstats("o", **full))  # its cache is full of other prefixes
+    roomy = reg.heartbeat(wstats("r", num_total_blocks=64, num_free_blocks=64))
+    config = PrefixRouting(load_weight=64.0, evict_weight=0.5, pull=False)
+    policy = PrefixAwarePolicy(config)
+    match = PrefixMatch(BLOCK, 16, {"h": 16}, [(holder, 16)])
+    rr = RouteRequest("r", list(range(16 * BLOCK + 20)), None, match)
+    scores = {s.worker.worker_id: s.score for s in policy.rank("decode", rr, [holder, other])}
+    # o computes 276 tokens and evicts 16 blocks (0.5 * 256 = 128); h computes 20, load 64.
+    assert scores == {"h": 20 + 64, "o": 276 + 128}
+    assert policy.rank("decode", rr, [roomy])[0].inputs["evicts_blocks"] == 0.0

@@ -127,7 +127,7 @@ class _RouterCollector(Collector):
         snap = self.metrics.snapshot()
         yield _gauge("up", "1 when the router's event loop answered this scrape.", snap is not None)
         if snap is not None:
-            yield from _families(snap)
+            yield from families(snap)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -151,7 +151,8 @@ def _labelled(
     return family
 
 
-def _families(s: RouterSnapshot) -> Iterator[Metric]:
+def families(s: RouterSnapshot) -> Iterator[Metric]:
+    """The scrape-time series of one snapshot (everything but the request histograms)."""
     c = s.counters
     yield _counter("requests_received", "Generate calls received.", c.get("requests", 0))
     yield _gauge("requests_inflight", "Requests holding an admission slot.", s.inflight)

@@ -25,6 +25,8 @@ from pagedserve.common.config import ConfigError
 from pagedserve.common.metrics import WorkerIdentity, WorkerMetrics, WorkerSnapshot
 from pagedserve.common.worker import WorkerConfig
 from pagedserve.router.config import RouterConfig
+from pagedserve.router.metrics import RouterSnapshot
+from pagedserve.router.metrics import families as router_families
 from pagedserve.router.server import start_router_in_thread
 from pagedserve.worker import start_worker
 
@@ -284,6 +286,57 @@ def test_engine_progress_and_stall():
         assert Scrape(rt.metrics.server.address).value("pagedserve:engine_up") == 1  # 60 s
     finally:
         rt.stop(grace=0.2)
+
+
+def test_router_counters_map_to_series():
+    """The router's counters, as its request path names them, become these series."""
+    snap = RouterSnapshot(
+        counters={
+            "requests": 9,
+            "prefill_calls": 3,
+            "local_prefill_short": 2,
+            "local_prefill_cached": 1,
+            "local_prefill_fallback": 1,
+            "prefix_exports": 2,
+            "prefix_export_missing": 1,
+            "prefix_export_blocks": 7,
+            "index_lookups": 8,
+            "index_hits": 5,
+            "index_skipped": 1,
+            "index_unavailable": 4,
+            "prefill_retries": 1,
+            "decode_retries": 2,
+        },
+        inflight=1,
+        queued=0,
+        max_inflight=4,
+        max_queued=2,
+        rejected_total=6,
+        live_workers={"prefill": 0, "decode": 2, "colocated": 0},
+        index_up=False,
+    )
+    samples = {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in router_families(snap)
+        for s in family.samples
+    }
+
+    def v(name: str, **labels: str) -> float:
+        return samples[("pagedserve:router_" + name, frozenset(labels.items()))]
+
+    decisions = {"prefill_decode": 3, "local_prefill_short": 2, "local_prefill_cached": 1}
+    decisions |= {"local_prefill_fallback": 1, "cross_worker_pull": 2}
+    for kind, n in decisions.items():
+        assert v("routing_decisions_total", kind=kind) == n
+    assert [v("prefix_exports_total", outcome=o) for o in ("ok", "missing", "failed")] == [2, 1, 0]
+    assert v("prefix_export_blocks_total") == 7
+    lookups = [v("prefix_index_lookups_total", result=r) for r in ("hit", "miss", "skipped")]
+    assert lookups == [5, 3, 1]
+    assert v("prefix_index_unavailable_total") == 4 and v("prefix_index_up") == 0
+    assert v("retries_total", pool="prefill") == 1 and v("retries_total", pool="decode") == 2
+    assert v("admission_rejections_total") == 6 and v("requests_received_total") == 9
+    assert v("admission_limit", kind="queued") == 2 and v("requests_inflight") == 1
+    assert v("live_workers", pool="decode") == 2 and v("live_workers", pool="prefill") == 0
 
 
 def test_bad_metrics_ports_are_refused():

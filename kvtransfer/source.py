@@ -204,6 +204,9 @@ class KVSource:
         self._pool: list[_Buffer] = []
         self._lock = threading.Lock()
         self._names = itertools.count()
+        # Pool file names must differ between the sources of one process (several
+        # workers in one test process would otherwise rename each other's files).
+        self._tag = uuid.uuid4().hex[:8]
         self._paths: set[Path] = set()  # every file we own, unlinked if we are never closed
         self._finalizer = weakref.finalize(self, _unlink_all, self._paths)
 
@@ -342,7 +345,7 @@ class KVSource:
         return _Buffer(memoryview(mapping), capacity, path, mapping)
 
     def _pool_path(self) -> Path:
-        return self.shm_dir / segment_name(os.getpid(), f"pool-{next(self._names)}")
+        return self.shm_dir / segment_name(os.getpid(), f"pool-{self._tag}-{next(self._names)}")
 
     def _recycle(self, buf: _Buffer, delay: float) -> None:
         """Return a lease's buffer to the pool (caller holds the lock), or free it."""

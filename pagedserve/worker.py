@@ -64,7 +64,7 @@ class WorkerActor:
         return True
 
     def open_leases(self) -> int:
-        return self.runtime.kv_source.open_leases()
+        return self.runtime.kv_source.open_leases
 
     def stop(self) -> None:
         self.runtime.stop()

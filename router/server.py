@@ -32,8 +32,10 @@ The client's deadline bounds every downstream call (`time_remaining`). A client 
 cancels or disconnects cancels this handler's task: the open downstream call is
 cancelled with it (the decode worker aborts the request and frees its blocks), and a
 KV handle obtained but not yet consumed by a decode worker has its lease released.
-One gap remains by design: a Prefill response in flight when the client leaves is
-never seen here; its lease expires after the TTL (counted by the worker).
+One gap remains by design: a Prefill (or ExportPrefix) response in flight when the
+client leaves is never seen here; its lease expires after the TTL (counted by the
+worker). A prefix handle passed to a worker that failed or never answered is
+released by the router (ReleaseLease is idempotent, so also when the worker did).
 
 Also served: the worker Registry (heartbeats), grpc.health.v1 (overall "" and per pool
 "pagedserve.prefill" / "pagedserve.decode") and server reflection.
@@ -451,14 +453,15 @@ class Router:
                 stub = worker_pb2_grpc.DecodeStub(self.channel(worker.address))
                 call = stub.Decode(req, timeout=context.time_remaining())
                 worker.inflight += 1
+                answered = False
                 try:
                     async for step in call:
+                        answered = True
                         lease_open = False  # the first step comes after the import ended
                         streamed += 1
                         yield step.response
                     return
                 except grpc.aio.AioRpcError as e:
-                    self._release_lease(prefix)  # if the worker never got to it
                     if not self._decode_retryable(e, worker, streamed):
                         raise _downstream_abort(e, "decode", worker, streamed) from None
                     self.counters["decode_retries"] += 1
@@ -469,6 +472,8 @@ class Router:
                 finally:
                     worker.inflight -= 1
                     call.cancel()  # no-op when done; aborts the request downstream otherwise
+                    if not answered:  # failed or cancelled: the worker may never have
+                        self._release_lease(prefix)  # released the prefix (idempotent)
         finally:
             if lease_open:
                 self._release_lease(handle)
@@ -529,13 +534,14 @@ class Router:
                     req.prefix.CopyFrom(prefix)
             stub = worker_pb2_grpc.PrefillStub(self.channel(worker.address))
             worker.inflight += 1
+            answered = False
             try:
                 handle = await stub.Prefill(req, timeout=context.time_remaining())
+                answered = True
                 self.counters["prefill_calls"] += 1
                 self.estimator.observe_layout(handle.layout)
                 return handle
             except grpc.aio.AioRpcError as e:
-                self._release_lease(prefix)  # if the worker never got to it
                 code = e.code()
                 if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise _downstream_abort(e, "prefill", worker, 0) from None
@@ -552,6 +558,8 @@ class Router:
                 self.counters["prefill_retries"] += 1
             finally:
                 worker.inflight -= 1
+                if not answered:  # failed or cancelled: the worker may never have
+                    self._release_lease(prefix)  # released the prefix (idempotent)
         self.counters["local_prefill_fallback"] += 1
         return None
 

@@ -68,10 +68,6 @@ def start_prefix_cluster(redis_url: str | None, pools: dict[str, int]) -> Cluste
 def add_worker(cluster: Cluster, worker_id: str, pool: str, **overrides) -> WorkerRuntime:
     redis_url = cluster.router.router.config.redis_url
     where = {"redis_url": redis_url} if redis_url else {"index_address": cluster.address}
-    # kv_transport "grpc": in-process workers share one pid, and KVSource names its pooled
-    # shared-memory files by pid + a per-source counter, so two workers' pool files
-    # collide (reported; separate worker processes are not affected).
-    overrides.setdefault("kv_transport", "grpc")
     return cluster.add_worker(worker_id, pool, index_ttl_s=INDEX_TTL_S, **where, **overrides)
 
 

@@ -234,7 +234,7 @@ class WorkerMetrics:
         identity = WorkerIdentity(
             pool=runtime.config.pool,
             worker=runtime.config.worker_id,
-            model=runtime.config.model_name or engine.model_id,
+            model=engine.model_id,
             address=runtime.address,
             block_size=engine.block_manager.block_size,
         )

@@ -59,7 +59,6 @@ class WorkerConfig:
     lease_ttl_s: float = 30.0  # exported KV not pulled within this is freed and counted
     kv_transport: Literal["auto", "shm", "grpc"] = "auto"
     transfer_failure_policy: Literal["recompute", "fail"] = "recompute"
-    model_name: str = ""
     max_rpc_threads: int = 128  # each open Decode stream holds one
     # Where this worker publishes its prefix-cache events: a Redis URL (the shared
     # index), else the router's PrefixIndex service at `index_address` (embedded),
@@ -181,7 +180,9 @@ class WorkerRuntime:
             pool=POOL_TO_PB[self.config.pool],
             address=self.address,
             host_id=self.host_id,
-            model_name=self.config.model_name or self.engine.model_id,
+            # Always the engine's model id: the router hashes prompts and namespaces the
+            # prefix index with it, so it must be exactly what the block manager uses.
+            model_name=self.engine.model_id,
             num_running=s.num_running,
             num_waiting=s.num_waiting,
             kv_usage=s.kv_usage,

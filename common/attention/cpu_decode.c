@@ -1,0 +1,310 @@
+/* Paged decode attention on the CPU, fp32: one query token per sequence, read
+ * straight from the block-table'd KV cache (no gather). Built and loaded by
+ * cpu_kernel.py; see its docstring for the why and the measurements.
+ *
+ * Shapes (row-major, element strides given where a view may be strided):
+ *   q        [B, H, D]            q + b * q_stride
+ *   k_cache  [NB, BS, KVH, D]     contiguous (one layer's K)
+ *   v_cache  [NB, BS, KVH, D]     contiguous
+ *   tables   [B, >= ceil(L/BS)]   int32 block ids, tables + b * t_stride
+ *   lens     [B]                  int32 context length L of each sequence (>= 1)
+ *   out      [B, H, D]            out + b * out_stride
+ * Query head h reads KV head h / (H / KVH) (GQA).
+ *
+ * Per sequence, both passes walk the blocks in order and read each token's whole
+ * [KVH, D] row (contiguous within a block), so K and V are read once each:
+ *   1. scores s[h, t] = scale * q[h] . k[t, h / G]          (s: [H, L] scratch)
+ *   2. exact softmax per head: p = exp(s - max), 1 / sum(p)
+ *   3. out[h] = sum_t p[h, t] * v[t, h / G] / sum
+ * With AVX-512 and D a multiple of 16 (up to 256), 16 tokens go at a time:
+ * the 16 dot products of a head end as 16 vectors reduced by one transpose-add
+ * tree, and exp runs on vectors; otherwise plain loops (one_sequence_generic).
+ * Sequences are handed to threads one at a time (an atomic counter). Only the
+ * OpenMP runtime's parallel region is used, with the caller's thread count
+ * (torch's), so it runs on torch's own OpenMP threads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+/* exp(x) for x <= 0, vectorisable (Cephes expf polynomial, ~1 ulp); x < -87
+ * clamps to exp(-87) ~ 1.6e-38, which only ever meets sums >= 1 here. */
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float r2 = r * r;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r2 + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* Any D, no vector intrinsics (what other CPUs and head sizes get). */
+static void one_sequence_generic(const float *q, const float *k_cache, const float *v_cache,
+                                 const int32_t *table, int64_t L, int64_t H, int64_t KVH,
+                                 int64_t D, int64_t BS, float scale, float *out, float *s,
+                                 float *acc, float *inv) {
+    const int64_t G = H / KVH;
+    const int64_t row = KVH * D; /* floats per token within a block */
+
+    /* 1. scores: s [H, L] */
+    for (int64_t t0 = 0; t0 < L; t0 += BS) {
+        const float *kb = k_cache + (int64_t)table[t0 / BS] * BS * row;
+        const int64_t n = L - t0 < BS ? L - t0 : BS;
+        for (int64_t j = 0; j < n; ++j) {
+            const float *kt = kb + j * row;
+            for (int64_t h = 0; h < H; ++h) {
+                const float *kh = kt + (h / G) * D;
+                const float *qh = q + h * D;
+                float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+                for (int64_t i = 0; i < D; ++i) a += qh[i] * kh[i];
+                s[h * L + t0 + j] = a * scale;
+            }
+        }
+    }
+    /* 2. softmax numerators in place, 1 / denominators in inv */
+    for (int64_t h = 0; h < H; ++h) {
+        float *sh = s + h * L;
+        float m = sh[0];
+        for (int64_t t = 1; t < L; ++t) m = sh[t] > m ? sh[t] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < L; ++t) {
+            float e = exp_nonpos(sh[t] - m);
+            sh[t] = e;
+            sum += e;
+        }
+        inv[h] = 1.0f / sum;
+    }
+    /* 3. weighted V: acc [H, D] */
+    memset(acc, 0, (size_t)(H * D) * sizeof(float));
+    for (int64_t t0 = 0; t0 < L; t0 += BS) {
+        const float *vb = v_cache + (int64_t)table[t0 / BS] * BS * row;
+        const int64_t n = L - t0 < BS ? L - t0 : BS;
+        for (int64_t j = 0; j < n; ++j) {
+            const float *vt = vb + j * row;
+            for (int64_t h = 0; h < H; ++h) {
+                const float *vh = vt + (h / G) * D;
+                const float p = s[h * L + t0 + j];
+                float *ah = acc + h * D;
+#pragma omp simd
+                for (int64_t i = 0; i < D; ++i) ah[i] += p * vh[i];
+            }
+        }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+        const float c = inv[h];
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) out[h * D + i] = acc[h * D + i] * c;
+    }
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* The 16 horizontal sums of v[0..15], in order: a transpose-and-add tree
+ * (45 shuffles/adds instead of 16 separate reductions). */
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; ++i) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) /* lane k: the 4 vectors' sums over their lane k */
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; ++i)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                         _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+/* exp(x) for x <= 0 on 16 lanes: the polynomial of exp_nonpos, and exactly 0
+ * below -87 (so padding scores of -inf add nothing). */
+static inline __m512 exp512_nonpos(__m512 x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    const __m512 r2 = _mm512_mul_ps(r, r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+}
+
+/* C = D / 16 vectors per head row; inlined with C = 1, 2, 4, 8, 16.
+ * Tokens go 16 at a time; the last tile's rows past L repeat row L - 1 (real,
+ * finite data) and their scores are set to -inf, so no tile needs a branch. */
+static inline __attribute__((always_inline)) void one_sequence_avx512_impl(
+    const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
+    int64_t L, int64_t H, int64_t KVH, int64_t BS, float scale, float *out, float *s,
+    float *acc, float *inv, int64_t *off, const int64_t C) {
+    const int64_t D = 16 * C, G = H / KVH, row = KVH * D;
+    const int64_t Lp = (L + 15) & ~(int64_t)15;
+    for (int64_t t = 0; t < L; ++t) off[t] = ((int64_t)table[t / BS] * BS + t % BS) * row;
+    for (int64_t t = L; t < Lp; ++t) off[t] = off[L - 1];
+
+    /* 1. scores s [H, Lp], 16 tokens at a time */
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < Lp; t0 += 16) {
+        for (int64_t kh = 0; kh < KVH; ++kh) {
+            for (int64_t g = 0; g < G; ++g) {
+                const float *qh = q + (kh * G + g) * D;
+                __m512 part[16];
+#pragma GCC unroll 16
+                for (int64_t j = 0; j < 16; ++j) {
+                    const float *kr = k_cache + off[t0 + j] + kh * D;
+                    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kr));
+#pragma GCC unroll 16
+                    for (int64_t c = 1; c < C; ++c)
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c),
+                                            _mm512_loadu_ps(kr + 16 * c), a);
+                    part[j] = a;
+                }
+                _mm512_storeu_ps(s + (kh * G + g) * Lp + t0,
+                                 _mm512_mul_ps(sum16(part), vscale));
+            }
+        }
+    }
+    /* 2. softmax numerators in place (0 at the padding), 1 / denominators */
+    const __mmask16 tail = (__mmask16)((1u << (L - (Lp - 16))) - 1u);
+    for (int64_t h = 0; h < H; ++h) {
+        float *sh = s + h * Lp;
+        _mm512_storeu_ps(sh + Lp - 16, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), tail,
+                                                         _mm512_loadu_ps(sh + Lp - 16)));
+        __m512 m = _mm512_loadu_ps(sh);
+        for (int64_t t = 16; t < Lp; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sh + t));
+        const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < Lp; t += 16) {
+            const __m512 e = exp512_nonpos(_mm512_sub_ps(_mm512_loadu_ps(sh + t), vm));
+            _mm512_storeu_ps(sh + t, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        inv[h] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    /* 3. weighted V: acc [H, D] (padding rows have weight 0) */
+    memset(acc, 0, (size_t)(H * D) * sizeof(float));
+    for (int64_t t0 = 0; t0 < Lp; t0 += 16) {
+        for (int64_t kh = 0; kh < KVH; ++kh) {
+            for (int64_t g = 0; g < G; ++g) {
+                const int64_t h = kh * G + g;
+                float *ah = acc + h * D;
+                const float *ph = s + h * Lp + t0;
+                __m512 a[16];
+#pragma GCC unroll 16
+                for (int64_t c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(ah + 16 * c);
+#pragma GCC unroll 16
+                for (int64_t j = 0; j < 16; ++j) {
+                    const float *vr = v_cache + off[t0 + j] + kh * D;
+                    const __m512 p = _mm512_set1_ps(ph[j]);
+#pragma GCC unroll 16
+                    for (int64_t c = 0; c < C; ++c)
+                        a[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * c), a[c]);
+                }
+#pragma GCC unroll 16
+                for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(ah + 16 * c, a[c]);
+            }
+        }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+        const __m512 c_inv = _mm512_set1_ps(inv[h]);
+        for (int64_t c = 0; c < C; ++c)
+            _mm512_storeu_ps(out + h * D + 16 * c,
+                             _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + 16 * c), c_inv));
+    }
+}
+#endif
+
+/* Scratch one thread needs: s [H, Lp], acc [H, D], inv [H], then (8-byte
+ * aligned) off [Lp] int64, Lp = max_len rounded up to 16. */
+static int64_t scratch_head_floats(int64_t H, int64_t D, int64_t Lp) {
+    return (H * Lp + H * D + H + 1) & ~(int64_t)1;
+}
+
+static void one_sequence(const float *q, const float *k_cache, const float *v_cache,
+                         const int32_t *table, int64_t L, int64_t H, int64_t KVH, int64_t D,
+                         int64_t BS, float scale, float *out, float *scratch, int64_t Lp_max) {
+    float *s = scratch;
+    float *acc = s + H * Lp_max;
+    float *inv = acc + H * D;
+    int64_t *off = (int64_t *)(scratch + scratch_head_floats(H, D, Lp_max));
+#ifdef __AVX512F__
+#define AVX512_CASE(C)                                                                      \
+    one_sequence_avx512_impl(q, k_cache, v_cache, table, L, H, KVH, BS, scale, out, s, acc, \
+                             inv, off, C);                                                  \
+    return;
+    switch (D) {
+    case 16: AVX512_CASE(1)
+    case 32: AVX512_CASE(2)
+    case 64: AVX512_CASE(4)
+    case 128: AVX512_CASE(8)
+    case 256: AVX512_CASE(16)
+    }
+#undef AVX512_CASE
+#endif
+    (void)off;
+    one_sequence_generic(q, k_cache, v_cache, table, L, H, KVH, D, BS, scale, out, s, acc, inv);
+}
+
+/* Returns 0; -1 when no thread could allocate its scratch (a thread that cannot
+ * just takes no sequences, the others do them all); -2 - b when sequence b has a
+ * length outside [1, t_width * BS] or a block id outside [0, NB) (checked before
+ * anything is read, nothing is written). */
+int pagedserve_decode_f32(const float *q, int64_t q_stride, const float *k_cache,
+                          const float *v_cache, int64_t NB, const int32_t *tables,
+                          int64_t t_stride, int64_t t_width, const int32_t *lens, int64_t B,
+                          int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale, float *out,
+                          int64_t out_stride, int num_threads) {
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t L = lens[b];
+        if (L < 1 || L > t_width * BS) return (int)(-2 - b);
+        const int32_t *table = tables + b * t_stride;
+        for (int64_t i = 0; i < (L + BS - 1) / BS; ++i)
+            if (table[i] < 0 || table[i] >= NB) return (int)(-2 - b);
+        max_len = L > max_len ? L : max_len;
+    }
+    const int64_t Lp_max = (max_len + 15) & ~(int64_t)15;
+    const size_t scratch_bytes =
+        (size_t)(scratch_head_floats(H, D, Lp_max) + 2 * Lp_max) * sizeof(float);
+    int64_t next = 0, done = 0;
+    if (B <= 0) return 0;
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > B) num_threads = (int)B;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *s = malloc(scratch_bytes);
+        if (s != NULL) {
+            for (;;) {
+                int64_t b = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
+                if (b >= B) break;
+                one_sequence(q + b * q_stride, k_cache, v_cache, tables + b * t_stride,
+                             lens[b], H, KVH, D, BS, scale, out + b * out_stride, s, Lp_max);
+                __atomic_fetch_add(&done, 1, __ATOMIC_RELAXED);
+            }
+            free(s);
+        }
+    }
+    return done == B ? 0 : -1;
+}

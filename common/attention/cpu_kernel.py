@@ -1,0 +1,186 @@
+"""A compiled fp32 decode-attention kernel for the CPU (cpu_decode.c), built on first use.
+
+Why: decode attention is memory-bound (a decode token does ~1.5 flop per byte of
+K/V it reads), and the pure-torch path has to gather every sequence's blocks into
+a padded buffer before SDPA can read them, so each K/V byte crosses memory twice
+and SDPA then runs a generic kernel over 3-row queries. The C kernel reads the
+blocks in place through the block table, K once and V once, with one exact
+softmax per head in between (see the C file).
+
+Build: `gcc -O3 -march=native -fopenmp -shared` (about a second), once per source
+text, compiler and CPU, into `$PAGEDSERVE_CACHE_DIR` (default
+`~/.cache/pagedserve`)/kernels/, written to a temporary name and renamed so that
+processes building at once never load a half-written file. Anything that fails
+(no compiler, a compile error, a load error, `PAGEDSERVE_CPU_KERNEL=0`) makes
+`load()` return None once, logged at INFO, and callers use the torch path.
+
+Threads: the kernel's OpenMP parallel region runs in the process's already loaded
+libgomp (torch's: the dynamic loader matches the soname libgomp.so.1), with
+`torch.get_num_threads()` threads, so it shares torch's thread pool rather than
+adding a second one that would spin against it on a small machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_decode.c")
+_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-mprefer-vector-width=512",
+    "-fno-math-errno",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+)
+_ENV_SWITCH = "PAGEDSERVE_CPU_KERNEL"
+
+
+def cache_dir() -> Path:
+    """Where built kernels live: $PAGEDSERVE_CACHE_DIR or ~/.cache/pagedserve, /kernels."""
+    root = os.environ.get("PAGEDSERVE_CACHE_DIR")
+    base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return (base if root else base / "pagedserve") / "kernels"
+
+
+def _cpu_signature() -> str:
+    """The CPU's feature flags (the build uses -march=native)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build(cc: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [cc, *_FLAGS, "-o", tmp, str(_SOURCE)]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The built kernel library, or None (logged once) when it cannot be had here."""
+    if os.environ.get(_ENV_SWITCH, "1") == "0":
+        log.info("CPU decode kernel disabled by %s=0", _ENV_SWITCH)
+        return None
+    try:
+        cc = shutil.which(os.environ.get("CC", "gcc"))
+        if cc is None:
+            raise RuntimeError("no C compiler (gcc, or $CC) on PATH")
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        key = hashlib.sha256(
+            "\0".join(
+                (_SOURCE.read_text(), " ".join(_FLAGS), version.stdout, _cpu_signature())
+            ).encode()
+        ).hexdigest()[:20]
+        path = cache_dir() / f"cpu_decode-{key}.so"
+        if not path.exists():
+            _build(cc, path)
+        lib = ctypes.CDLL(str(path))
+        fn = lib.pagedserve_decode_f32
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64]
+        fn.argtypes += [ctypes.c_float, ptr, i64, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        return lib
+    except Exception as e:  # any failure means: use the torch path
+        log.info("CPU decode kernel unavailable, using torch attention: %s", e)
+        return None
+
+
+def decode_f32(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,  # [B, H, D] fp32, rows may be strided, each row contiguous
+    k_cache: torch.Tensor,  # [NB, BS, KVH, D] fp32 contiguous
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32, each row contiguous
+    seq_lens: torch.Tensor,  # [B] int32 contiguous
+    scale: float,
+    out: torch.Tensor,  # [B, H, D] fp32, rows may be strided, each row contiguous
+) -> None:
+    """out[b] = softmax(q[b] k^T * scale) v over the first seq_lens[b] cached tokens.
+
+    The caller guarantees the layouts (see `fits`); the kernel checks every length
+    and block id it would read before reading anything.
+    """
+    b, h, d = q.shape
+    nb, bs, kvh, _ = k_cache.shape
+    rc = lib.pagedserve_decode_f32(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        nb,
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        block_tables.shape[1],
+        seq_lens.data_ptr(),
+        b,
+        h,
+        kvh,
+        d,
+        bs,
+        scale,
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+    if rc == -1:
+        raise MemoryError("CPU decode kernel could not allocate its per-thread scratch")
+    if rc < -1:
+        i = -2 - rc
+        raise ValueError(
+            f"decode sequence {i}: length {int(seq_lens[i])} or a block id in "
+            f"{block_tables[i].tolist()} is out of range (block_size {bs}, {nb} blocks)"
+        )
+
+
+def fits(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> bool:
+    """Whether `decode_f32` can run on these tensors as they are."""
+    return (
+        q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and q.device.type == k_cache.device.type == v_cache.device.type == "cpu"
+        and block_tables.device.type == seq_lens.device.type == "cpu"
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and k_cache.shape == v_cache.shape
+        and block_tables.dtype == seq_lens.dtype == torch.int32
+        and block_tables.stride(-1) == 1
+        and seq_lens.is_contiguous()
+        and q.stride(2) == 1
+        and q.stride(1) == q.shape[2]
+        and q.shape[1] % k_cache.shape[2] == 0
+        and q.shape[2] == k_cache.shape[3]
+    )

@@ -49,7 +49,12 @@ def _mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Te
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: normalize in fp32, cast back, then scale by weight."""
+    """transformers' RMSNorm: normalize in fp32, cast back, then scale by weight.
+
+    In fp32 torch's fused `F.rms_norm` gives bit-identical results (checked over
+    shapes 1-2048 x 16-2048) with one op instead of six."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -80,14 +85,21 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, d]; cos/sin: [T, 1, d] (already in x's dtype)."""
-    return x * cos + rotate_half(x) * sin
+    """x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), for
+    x: [T, heads, d]; cos/sin: [T, 1, d] (already in x's dtype).
+
+    Computed half by half into one output, without rotate_half's negated copy
+    and `cat`: the same roundings (so the same bits: -a * s == -(a * s)) with 3
+    new tensors instead of 5. At 2048 tokens x 12 heads: 6.6 -> 0.9 ms here, most
+    of the old cost being first-touch page faults on the temporaries (with
+    `tune_cpu_malloc` in effect: 3.2 -> 1.6 ms)."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    out = x * cos
+    out[..., :h] -= x2 * sin[..., :h]
+    out[..., h:] += x1 * sin[..., h:]
+    return out
 
 
 # ---- layers -----------------------------------------------------------------------

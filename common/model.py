@@ -26,7 +26,10 @@ elsewhere it reuses the embedding through `F.linear`.
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
+import platform
 import re
 from collections.abc import Iterable
 
@@ -37,6 +40,40 @@ from torch import nn
 from pagedserve.common.attention.base import AttentionBackend, AttentionMetadata
 from pagedserve.common.kv_cache import KVCache
 from pagedserve.common.model_config import ModelSpec
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_malloc_tuned: bool | None = None
+
+
+def tune_cpu_malloc() -> bool:
+    """Make glibc keep freed memory for reuse (once per process); True if in effect.
+
+    A forward on the CPU allocates multi-MB temporaries (at 2048 tokens: 25 MB
+    for gate_up, 6 MB per RoPE term). glibc serves such sizes with fresh mmaps,
+    or trims them off the heap once freed, so steps keep paying first-touch page
+    faults to get them back. Measured here, one 2048-token prefill forward
+    (8 x 256): 51k-122k faults and 2125-2244 ms untuned, none and 1950 ms tuned;
+    the engine64 workload: 242k -> 37k faults. Decode batches are too small to
+    notice. With allocations under 64 MB served from the heap and up to 512 MB
+    of free heap kept, the memory is reused instead; larger ones (the KV cache,
+    weights) are still mmapped and returned on free, and peak RSS did not change
+    (3.18 GB either way). Process-wide, so it is done once, from the first CPU
+    model built; `PAGEDSERVE_MALLOC_TUNING=0` skips it; a no-op off glibc.
+    """
+    global _malloc_tuned
+    if _malloc_tuned is None:
+        _malloc_tuned = False
+        if os.environ.get("PAGEDSERVE_MALLOC_TUNING", "1") != "0" and (
+            platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+        ):
+            try:
+                mallopt = ctypes.CDLL(None).mallopt
+                ok = mallopt(_M_MMAP_THRESHOLD, 64 << 20) == 1
+                _malloc_tuned = ok and mallopt(_M_TRIM_THRESHOLD, 512 << 20) == 1
+            except (OSError, AttributeError):
+                pass
+    return _malloc_tuned
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -198,6 +235,8 @@ class PagedCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         device = torch.device(device)
+        if device.type == "cpu":
+            tune_cpu_malloc()
         self.spec = spec
         self.dtype = dtype
         self.attention_backend = attention_backend

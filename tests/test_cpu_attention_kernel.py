@@ -7,11 +7,15 @@ sizes 1/3/4, block sizes 8/16/32 and lengths ending inside and on the edge of
 blocks and 16-token tiles. Also: bad lengths/block ids are refused before any
 read, thread count does not change results, a disabled or unbuildable kernel
 falls back to torch, builds are cached, and one backend serves two threads.
+Also the process-wide malloc tuning that CPU models apply (model.py).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import platform
+import resource
 import threading
 
 import pytest
@@ -21,6 +25,7 @@ from builders import make_metadata, one_torch_thread  # noqa: F401 (autouse fixt
 from pagedserve.common.attention import cpu_kernel
 from pagedserve.common.attention.base import write_kv
 from pagedserve.common.attention.torch_backend import TorchAttentionBackend
+from pagedserve.common.model import tune_cpu_malloc
 
 LIB = cpu_kernel.load()
 needs_kernel = pytest.mark.skipif(LIB is None, reason="the CPU kernel did not build here")
@@ -194,3 +199,20 @@ def test_one_backend_serves_two_threads(use_kernel):
         t.join()
     assert len(errors) == 40
     assert max(errors) < 1e-6
+
+
+@pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only"
+)
+def test_cpu_malloc_tuning_is_applied_once_and_keeps_freed_pages():
+    """model.tune_cpu_malloc (run by building a CPU model): a freed 16 MB tensor's
+    pages are reused by the next one of that size instead of faulting again."""
+    if os.environ.get("PAGEDSERVE_MALLOC_TUNING") == "0":
+        assert tune_cpu_malloc() is False
+        return
+    assert tune_cpu_malloc() is True
+    assert tune_cpu_malloc() is True  # idempotent
+    torch.empty(4 << 20).fill_(1.0)  # allocate, touch, free
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(4 << 20).fill_(2.0)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 100  # 4096 untuned

@@ -1,11 +1,12 @@
-"""The compiled CPU decode kernel (common/attention/cpu_decode.c) and its fallback.
+"""The compiled CPU attention kernel (common/attention/cpu_attention.c) and its fallback.
 
-The kernel is compared with softmax attention computed densely in float64 and
+The kernel (decode rows, and prefill rows with their causal lengths) is compared with softmax attention computed densely in float64 and
 with the pure-torch decode path, over head sizes that take its AVX-512 code
 (16, 32, 64, 128 where the CPU has AVX-512) and its plain-C code (24), GQA group
 sizes 1/3/4, block sizes 8/16/32 and lengths ending inside and on the edge of
-blocks and 16-token tiles. Also: bad lengths/block ids are refused before any
-read, thread count does not change results, a disabled or unbuildable kernel
+blocks and 16-token tiles; rows picking their sequence and length; the split
+of prefills between kernel and SDPA. Also: bad lengths/block ids are refused
+before any read, thread count does not change results, a disabled or unbuildable kernel
 falls back to torch, builds are cached, and one backend serves two threads.
 Also the process-wide malloc tuning that CPU models apply (model.py).
 """
@@ -22,7 +23,7 @@ import pytest
 import torch
 from builders import make_metadata, one_torch_thread  # noqa: F401 (autouse fixture)
 
-from pagedserve.common.attention import cpu_kernel
+from pagedserve.common.attention import cpu_kernel, torch_backend
 from pagedserve.common.attention.base import write_kv
 from pagedserve.common.attention.torch_backend import TorchAttentionBackend
 from pagedserve.common.model import tune_cpu_malloc
@@ -93,7 +94,7 @@ def test_kernel_on_strided_query_rows_and_long_sequences():
     write_kv(k, v, kc, vc, meta.slot_mapping)
     qv = wide[:, :h]
     assert cpu_kernel.fits(qv, kc, vc, meta.block_tables, meta.seq_lens)
-    cpu_kernel.decode_f32(LIB, qv, kc, vc, meta.block_tables, meta.seq_lens, d**-0.5, out)
+    cpu_kernel.attend_f32(LIB, qv, kc, vc, meta.block_tables, meta.seq_lens, d**-0.5, out)
     assert _rel(out, ref) < 1e-6
 
 
@@ -112,23 +113,68 @@ def test_thread_count_does_not_change_results():
 
 @needs_kernel
 @pytest.mark.parametrize(
-    "what, lens, table",
+    "what, lens, table, row_seq",
     [
-        ("block id past the cache", [20], [[0, 99]]),
-        ("negative block id", [20], [[0, -1]]),
-        ("length past the table", [40], [[0, 1]]),
-        ("zero length", [0], [[0]]),
+        ("block id past the cache", [20], [[0, 99]], None),
+        ("negative block id", [20], [[0, -1]], None),
+        ("length past the table", [40], [[0, 1]], None),
+        ("negative length", [-1], [[0]], None),
+        ("sequence index past the tables", [5], [[0]], [1]),
     ],
 )
-def test_kernel_refuses_bad_lengths_and_block_ids(what, lens, table):
+def test_kernel_refuses_bad_lengths_block_ids_and_sequences(what, lens, table, row_seq):
     kc = torch.randn(4, 16, 2, 32)
     vc = torch.randn(4, 16, 2, 32)
     q, out = torch.randn(1, 4, 32), torch.full((1, 4, 32), 7.0)
     tables = torch.tensor(table, dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    with pytest.raises(ValueError, match="decode sequence 0"):
-        cpu_kernel.decode_f32(LIB, q, kc, vc, tables, seq_lens, 0.1, out)
+    rows = None if row_seq is None else torch.tensor(row_seq, dtype=torch.int32)
+    with pytest.raises(ValueError, match="query row 0"):
+        cpu_kernel.attend_f32(LIB, q, kc, vc, tables, seq_lens, 0.1, out, rows)
     assert bool((out == 7.0).all()), f"{what}: output written before the check"
+
+
+@needs_kernel
+def test_kernel_rows_pick_their_sequence_and_length_and_skip_zero_lengths():
+    """Prefill-style rows: row r of a sequence attends its first r + 1 tokens (the
+    causal rule), through a table picked by row_seq; rows of length 0 stay untouched."""
+    h, kvh, d = 6, 2, 32
+    q, k, v, kc, vc, meta, _ = _decode_case([40, 24], h, kvh, d, 8, seed=9)
+    rows = torch.tensor([0, 0, 1, 1, 0], dtype=torch.int32)
+    lens = torch.tensor([1, 40, 24, 0, 17], dtype=torch.int32)
+    qr = torch.randn(5, h, d)
+    out = torch.full((5, h, d), 3.0)
+    cpu_kernel.attend_f32(LIB, qr, kc, vc, meta.block_tables, lens, d**-0.5, out, rows)
+    for r, (seq, n) in enumerate(zip(rows.tolist(), lens.tolist(), strict=True)):
+        if n == 0:
+            assert bool((out[r] == 3.0).all())
+            continue
+        table = meta.block_tables[seq].tolist()
+        flat = torch.tensor([table[p // 8] * 8 + p % 8 for p in range(n)])
+        kk = kc.view(-1, kvh, d)[flat].double().repeat_interleave(h // kvh, dim=1)
+        vv = vc.view(-1, kvh, d)[flat].double().repeat_interleave(h // kvh, dim=1)
+        p = (torch.einsum("hd,nhd->hn", qr[r].double(), kk) * d**-0.5).softmax(-1)
+        assert _rel(out[r], torch.einsum("hn,nhd->hd", p, vv)) < 1e-6
+
+
+@needs_kernel
+def test_long_prefills_go_to_sdpa_short_ones_to_the_kernel(monkeypatch):
+    """One mixed batch split between the two paths (threshold lowered to 20 tokens):
+    prefills with and without a cached prefix on both sides, plus decodes."""
+    from test_torch_attention import _run_case
+
+    monkeypatch.setattr(torch_backend, "_KERNEL_MAX_PREFILL_LEN", 20)
+    seqs = [(0, 13), (0, 40), (16, 3), (24, 9), (5, 1), (0, 1), (30, 1), (63, 1)]
+    rel, _, _ = _run_case(seqs, 5, 3, 8, torch.float32, seed=4)
+    assert rel < 1e-6
+    calls = []
+    monkeypatch.setattr(torch_backend, "_prefill_one", lambda *a: calls.append(a[-2]) or 0.0)
+    monkeypatch.setattr(cpu_kernel, "attend_f32", lambda *a: calls.append(a[5].tolist()))
+    _run_case(seqs, 5, 3, 8, torch.float32, seed=4)
+    kernel_lens = calls[0]
+    # rows of (0, 13), (16, 3) and (5, 1) and the decodes; 0 for (0, 40) and (24, 9)
+    assert kernel_lens == [*range(1, 14), *[0] * 40, 17, 18, 19, *[0] * 9, 6, 1, 31, 64]
+    assert sorted(p.seq_len for p in calls[1:]) == [33, 40]
 
 
 def test_fits_rejects_what_the_kernel_cannot_read():
@@ -205,14 +251,20 @@ def test_one_backend_serves_two_threads(use_kernel):
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only"
 )
 def test_cpu_malloc_tuning_is_applied_once_and_keeps_freed_pages():
-    """model.tune_cpu_malloc (run by building a CPU model): a freed 16 MB tensor's
-    pages are reused by the next one of that size instead of faulting again."""
+    """model.tune_cpu_malloc (run by building a CPU model): a step's worth of freed
+    multi-MB temporaries is reused by the next step instead of faulting again
+    (untuned, glibc mmaps/trims them: ~49k faults per round here)."""
     if os.environ.get("PAGEDSERVE_MALLOC_TUNING") == "0":
         assert tune_cpu_malloc() is False
         return
     assert tune_cpu_malloc() is True
     assert tune_cpu_malloc() is True  # idempotent
-    torch.empty(4 << 20).fill_(1.0)  # allocate, touch, free
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.empty(4 << 20).fill_(2.0)
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 100  # 4096 untuned
+
+    def one_round() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        ts = [torch.empty(6 << 20).fill_(1.0) for _ in range(8)]  # 8 x 24 MB
+        del ts
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    one_round()
+    assert one_round() < 2000  # 49k pages if they went back to the OS

@@ -1,11 +1,14 @@
-"""A compiled fp32 decode-attention kernel for the CPU (cpu_decode.c), built on first use.
+"""A compiled fp32 paged-attention kernel for the CPU (cpu_attention.c), built on first use.
 
 Why: decode attention is memory-bound (a decode token does ~1.5 flop per byte of
 K/V it reads), and the pure-torch path has to gather every sequence's blocks into
 a padded buffer before SDPA can read them, so each K/V byte crosses memory twice
 and SDPA then runs a generic kernel over 3-row queries. The C kernel reads the
 blocks in place through the block table, K once and V once, with one exact
-softmax per head in between (see the C file).
+softmax per head in between (see the C file). The same code serves prefill
+tokens, each as one query row over its causal prefix: for the short prompts
+here that beats SDPA's flash kernel, whose GEMM tiles are mostly overhead at
+these sizes (numbers in torch_backend.py).
 
 Build: `gcc -O3 -march=native -fopenmp -shared` (about a second), once per source
 text, compiler and CPU, into `$PAGEDSERVE_CACHE_DIR` (default
@@ -37,7 +40,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_decode.c")
+_SOURCE = Path(__file__).with_name("cpu_attention.c")
 _FLAGS = (
     "-O3",
     "-march=native",
@@ -87,7 +90,7 @@ def _build(cc: str, out: Path) -> None:
 def load() -> ctypes.CDLL | None:
     """The built kernel library, or None (logged once) when it cannot be had here."""
     if os.environ.get(_ENV_SWITCH, "1") == "0":
-        log.info("CPU decode kernel disabled by %s=0", _ENV_SWITCH)
+        log.info("CPU attention kernel disabled by %s=0", _ENV_SWITCH)
         return None
     try:
         cc = shutil.which(os.environ.get("CC", "gcc"))
@@ -99,49 +102,54 @@ def load() -> ctypes.CDLL | None:
                 (_SOURCE.read_text(), " ".join(_FLAGS), version.stdout, _cpu_signature())
             ).encode()
         ).hexdigest()[:20]
-        path = cache_dir() / f"cpu_decode-{key}.so"
+        path = cache_dir() / f"cpu_attention-{key}.so"
         if not path.exists():
             _build(cc, path)
         lib = ctypes.CDLL(str(path))
-        fn = lib.pagedserve_decode_f32
+        fn = lib.pagedserve_attend_f32
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64]
-        fn.argtypes += [ctypes.c_float, ptr, i64, ctypes.c_int]
+        fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr]
+        fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
         return lib
     except Exception as e:  # any failure means: use the torch path
-        log.info("CPU decode kernel unavailable, using torch attention: %s", e)
+        log.info("CPU attention kernel unavailable, using torch attention: %s", e)
         return None
 
 
-def decode_f32(
+def attend_f32(
     lib: ctypes.CDLL,
-    q: torch.Tensor,  # [B, H, D] fp32, rows may be strided, each row contiguous
+    q: torch.Tensor,  # [R, H, D] fp32, rows may be strided, each row contiguous
     k_cache: torch.Tensor,  # [NB, BS, KVH, D] fp32 contiguous
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, max_blocks] int32, each row contiguous
-    seq_lens: torch.Tensor,  # [B] int32 contiguous
+    block_tables: torch.Tensor,  # [S, max_blocks] int32, each row contiguous
+    lens: torch.Tensor,  # [R] int32 contiguous: tokens row r attends; 0 = skip the row
     scale: float,
-    out: torch.Tensor,  # [B, H, D] fp32, rows may be strided, each row contiguous
+    out: torch.Tensor,  # [R, H, D] fp32, rows may be strided, each row contiguous
+    row_seq: torch.Tensor | None = None,  # [R] int32: table row per query row; None = r
 ) -> None:
-    """out[b] = softmax(q[b] k^T * scale) v over the first seq_lens[b] cached tokens.
+    """out[r] = softmax(q[r] k^T * scale) v over the first lens[r] cached tokens of
+    sequence row_seq[r]: a decode token attends its whole context, a prefill token
+    at position p its first p + 1 tokens. Rows with lens 0 are left untouched.
 
-    The caller guarantees the layouts (see `fits`); the kernel checks every length
-    and block id it would read before reading anything.
+    The caller guarantees the layouts (see `fits`); the kernel checks every length,
+    sequence index and block id it would read before reading anything.
     """
-    b, h, d = q.shape
+    r, h, d = q.shape
     nb, bs, kvh, _ = k_cache.shape
-    rc = lib.pagedserve_decode_f32(
+    rc = lib.pagedserve_attend_f32(
         q.data_ptr(),
         q.stride(0),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         nb,
         block_tables.data_ptr(),
+        block_tables.shape[0],
         block_tables.stride(0),
         block_tables.shape[1],
-        seq_lens.data_ptr(),
-        b,
+        None if row_seq is None else row_seq.data_ptr(),
+        lens.data_ptr(),
+        r,
         h,
         kvh,
         d,
@@ -152,12 +160,14 @@ def decode_f32(
         torch.get_num_threads(),
     )
     if rc == -1:
-        raise MemoryError("CPU decode kernel could not allocate its per-thread scratch")
+        raise MemoryError("CPU attention kernel could not allocate its per-thread scratch")
     if rc < -1:
         i = -2 - rc
+        seq = i if row_seq is None else int(row_seq[i])
+        table = block_tables[seq].tolist() if 0 <= seq < block_tables.shape[0] else None
         raise ValueError(
-            f"decode sequence {i}: length {int(seq_lens[i])} or a block id in "
-            f"{block_tables[i].tolist()} is out of range (block_size {bs}, {nb} blocks)"
+            f"query row {i}: length {int(lens[i])}, sequence {seq} or a block id in "
+            f"{table} is out of range (block_size {bs}, {nb} blocks)"
         )
 
 
@@ -166,19 +176,19 @@ def fits(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
+    lens: torch.Tensor,
 ) -> bool:
-    """Whether `decode_f32` can run on these tensors as they are."""
+    """Whether `attend_f32` can run on these tensors as they are."""
     return (
         q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
         and q.device.type == k_cache.device.type == v_cache.device.type == "cpu"
-        and block_tables.device.type == seq_lens.device.type == "cpu"
+        and block_tables.device.type == lens.device.type == "cpu"
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
         and k_cache.shape == v_cache.shape
-        and block_tables.dtype == seq_lens.dtype == torch.int32
+        and block_tables.dtype == lens.dtype == torch.int32
         and block_tables.stride(-1) == 1
-        and seq_lens.is_contiguous()
+        and lens.is_contiguous()
         and q.stride(2) == 1
         and q.stride(1) == q.shape[2]
         and q.shape[1] % k_cache.shape[2] == 0

@@ -1,26 +1,36 @@
-"""Paged attention in plain torch (+ a compiled CPU decode kernel): the CPU default
-and the reference for kernels.
+"""Paged attention in plain torch, plus a compiled CPU kernel for fp32: the CPU
+default and the reference for kernels.
 
 Per layer: write the new K/V into the cache (`write_kv`), then attend.
 
-Prefill sequences (the first `num_prefills`), one SDPA call each:
+fp32 on the CPU (when `cpu_kernel.py` could build `cpu_attention.c`): one kernel
+call per layer attends every decode token and every token of the prefills up to
+`_KERNEL_MAX_PREFILL_LEN` long, each token as one query row reading its
+sequence's blocks in place through the block table (K once, V once, an exact
+softmax per head in between): a decode token over its whole context, a prefill
+token at position p over the first p + 1 tokens (the causal rule, cached prefix
+or not). Per step the plan holds each row's sequence and length.
+Measured on the 2-core Xeon here:
+  - decode, one layer, 64 sequences of 100-600 tokens (23.8k context tokens), 2
+    threads: torch path 5.8 ms, kernel 2.7 ms, merely reading those 37 MB
+    of K/V (a `sum`) 1.9 ms: decode attention is memory-bound and the kernel is
+    within 1.4x of the read (1 thread, CPU time: 11.6 / 5.5 / 3.9 ms). In the
+    engine a batch-64 decode step went from 262 to 198 ms (interleaved A/B).
+  - prefill, one sequence, 2 threads, against SDPA (flash, `is_causal`): 128
+    tokens 0.30 vs 0.66 ms, 256: 0.92 vs 1.08, 512: 3.2 vs 4.0, 640: 5.9 vs 6.7,
+    768: 8.6 vs 7.4 (the kernel does no GEMM, so long prompts are SDPA's: hence
+    the 640 limit). A whole 2048-token prefill forward (8 x 256 tokens): 2242 ->
+    1877 ms, a mix of 16-500 tokens 2300 -> 1842 ms (medians of 8, alternating).
+(An earlier C trial gained only 1.2-1.6x on decode: a straightforward loop spends
+its time in per-token horizontal sums and scalar exp; see the C file.)
+
+Prefill sequences otherwise (longer, other dtypes or devices, `cpu_kernel=False`,
+no compiler), one SDPA call each:
   - no cached prefix (ctx == 0): attend over the sequence's own new q/k/v with
     `is_causal`; the cache is not read at all.
   - cached prefix (ctx > 0): gather the K/V blocks of positions [0, seq_len)
     through the block table and use an explicit mask: query i (position ctx + i)
     sees keys j <= ctx + i.
-
-Decode sequences (one token each), fp32 on the CPU: one call of the C kernel in
-`cpu_decode.c` (built on first use by `cpu_kernel.py`), which reads every
-sequence's blocks in place through the block table, K once and V once, with an
-exact softmax per head in between. Measured on the 2-core Xeon here (64
-sequences of 100-600 tokens, 23.8k context tokens, one layer, 1 thread, CPU
-time): torch path 11.6 ms, kernel 5.5 ms, and merely reading those 37 MB
-of K/V (a `sum`) 3.9 ms: decode attention is memory-bound and the kernel is
-within 1.4x of the read. In the engine (64 decoding sequences, 30 layers) a
-decode step went from ~370 to ~210 ms, interleaved A/B on a shared machine.
-(An earlier C trial gained only 1.2-1.6x: a straightforward loop spends its
-time in per-token horizontal sums and scalar exp; see the C file.)
 
 Decode otherwise (other dtypes or devices, `cpu_kernel=False`, no compiler),
 a few batched SDPA calls:
@@ -67,6 +77,8 @@ from pagedserve.common.attention.base import AttentionMetadata, write_kv
 
 # Upper bound on one decode chunk's gathered K (the same again for V).
 _CHUNK_BYTES = 3 << 20
+# Prefill sequences up to this length go through the C kernel, longer ones SDPA.
+_KERNEL_MAX_PREFILL_LEN = 640
 
 
 @dataclass
@@ -95,6 +107,9 @@ class _Plan:
     block_size: int
     token_bytes: int  # one token's K bytes in one layer (kvh * d * element size)
     decode_chunks: list[_DecodeChunk] | None = None  # built on first torch decode
+    # for the C kernel, built on first use: each token row's sequence and how many
+    # tokens it attends (0 for rows of prefills left to SDPA), both [T] int32
+    kernel_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class _ThreadState(threading.local):
@@ -141,17 +156,21 @@ class TorchAttentionBackend:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         plan = self._get_plan(meta, k_cache)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lib = cpu_kernel.load() if self.cpu_kernel else None
+        tables = meta.block_tables
+        kernel = lib is not None and cpu_kernel.fits(q, k_cache, v_cache, tables, meta.seq_lens)
+        if kernel:  # decode rows and short prefills' rows, in one call
+            row_seq, row_lens = _kernel_rows(plan, meta)
+            cpu_kernel.attend_f32(lib, q, k_cache, v_cache, tables, row_lens, scale, out, row_seq)
         for p in plan.prefills:
-            out[p.q_start : p.q_start + p.q_len] = _prefill_one(q, k, v, k_cache, v_cache, p, scale)
-        if meta.num_decode_tokens:
-            start, first = meta.num_prefill_tokens, meta.num_prefills
-            qd, od = q[start:], out[start:]
-            tables, lens = meta.block_tables[first:], meta.seq_lens[first:]
-            lib = cpu_kernel.load() if self.cpu_kernel else None
-            if lib is not None and cpu_kernel.fits(qd, k_cache, v_cache, tables, lens):
-                cpu_kernel.decode_f32(lib, qd, k_cache, v_cache, tables, lens, scale, od)
-            else:
-                self._decode(qd, k_cache, v_cache, self._decode_chunks(plan, meta), scale, od)
+            if not kernel or p.seq_len > _KERNEL_MAX_PREFILL_LEN:
+                out[p.q_start : p.q_start + p.q_len] = _prefill_one(
+                    q, k, v, k_cache, v_cache, p, scale
+                )
+        if meta.num_decode_tokens and not kernel:
+            start = meta.num_prefill_tokens
+            chunks = self._decode_chunks(plan, meta)
+            self._decode(q[start:], k_cache, v_cache, chunks, scale, out[start:])
         return out
 
     # ---- planning (once per step) ----------------------------------------------
@@ -213,6 +232,22 @@ class TorchAttentionBackend:
                 out.copy_(o.view(c.n, h, d))
             else:
                 out.index_copy_(0, c.rows, o.view(c.n, h, d))
+
+
+def _kernel_rows(plan: _Plan, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_seq, row_lens) for the C kernel, once per step: token row t of sequence
+    i at position p attends p + 1 tokens (a decode token: all seq_len of them)."""
+    if plan.kernel_rows is None:
+        q_lens = torch.tensor(meta.query_lens_cpu)
+        seq_lens = torch.tensor(meta.seq_lens_cpu)
+        row_seq = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [T]
+        first = torch.cumsum(q_lens, 0) - q_lens  # each sequence's first row
+        row_lens = (seq_lens - q_lens)[row_seq] + torch.arange(len(row_seq)) - first[row_seq] + 1
+        too_long = seq_lens > _KERNEL_MAX_PREFILL_LEN
+        too_long[meta.num_prefills :] = False
+        row_lens[too_long[row_seq]] = 0  # left to SDPA
+        plan.kernel_rows = (row_seq.to(torch.int32), row_lens.to(torch.int32))
+    return plan.kernel_rows
 
 
 def _check_meta(meta: AttentionMetadata) -> None:

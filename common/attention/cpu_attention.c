@@ -1,25 +1,27 @@
-/* Paged decode attention on the CPU, fp32: one query token per sequence, read
- * straight from the block-table'd KV cache (no gather). Built and loaded by
- * cpu_kernel.py; see its docstring for the why and the measurements.
+/* Paged attention on the CPU, fp32, one query row at a time, reading K/V straight
+ * from the block-table'd cache (no gather): a decode token is one row over its
+ * sequence's L cached tokens; a prefill token at position p is one row over the
+ * first p + 1 (causal). Built and loaded by cpu_kernel.py; see its docstring.
  *
  * Shapes (row-major, element strides given where a view may be strided):
- *   q        [B, H, D]            q + b * q_stride
- *   k_cache  [NB, BS, KVH, D]     contiguous (one layer's K)
- *   v_cache  [NB, BS, KVH, D]     contiguous
- *   tables   [B, >= ceil(L/BS)]   int32 block ids, tables + b * t_stride
- *   lens     [B]                  int32 context length L of each sequence (>= 1)
- *   out      [B, H, D]            out + b * out_stride
+ *   q        [R, H, D]             q + r * q_stride
+ *   k_cache  [NB, BS, KVH, D]      contiguous (one layer's K)
+ *   v_cache  [NB, BS, KVH, D]      contiguous
+ *   tables   [n_tables, t_width]   int32 block ids, tables + seq * t_stride
+ *   row_seq  [R] or NULL           int32: the table row of each query row
+ *   lens     [R]                   int32: how many tokens row r attends (0: skip)
+ *   out      [R, H, D]             out + r * out_stride
  * Query head h reads KV head h / (H / KVH) (GQA).
  *
- * Per sequence, both passes walk the blocks in order and read each token's whole
+ * Per row, both passes walk the blocks in order and read each token's whole
  * [KVH, D] row (contiguous within a block), so K and V are read once each:
  *   1. scores s[h, t] = scale * q[h] . k[t, h / G]          (s: [H, L] scratch)
  *   2. exact softmax per head: p = exp(s - max), 1 / sum(p)
  *   3. out[h] = sum_t p[h, t] * v[t, h / G] / sum
  * With AVX-512 and D a multiple of 16 (up to 256), 16 tokens go at a time:
  * the 16 dot products of a head end as 16 vectors reduced by one transpose-add
- * tree, and exp runs on vectors; otherwise plain loops (one_sequence_generic).
- * Sequences are handed to threads one at a time (an atomic counter). Only the
+ * tree, and exp runs on vectors; otherwise plain loops (one_row_generic).
+ * Rows are handed to threads one at a time (an atomic counter). Only the
  * OpenMP runtime's parallel region is used, with the caller's thread count
  * (torch's), so it runs on torch's own OpenMP threads.
  */
@@ -51,7 +53,7 @@ static inline float exp_nonpos(float x) {
 }
 
 /* Any D, no vector intrinsics (what other CPUs and head sizes get). */
-static void one_sequence_generic(const float *q, const float *k_cache, const float *v_cache,
+static void one_row_generic(const float *q, const float *k_cache, const float *v_cache,
                                  const int32_t *table, int64_t L, int64_t H, int64_t KVH,
                                  int64_t D, int64_t BS, float scale, float *out, float *s,
                                  float *acc, float *inv) {
@@ -155,13 +157,16 @@ static inline __m512 exp512_nonpos(__m512 x) {
 /* C = D / 16 vectors per head row; inlined with C = 1, 2, 4, 8, 16.
  * Tokens go 16 at a time; the last tile's rows past L repeat row L - 1 (real,
  * finite data) and their scores are set to -inf, so no tile needs a branch. */
-static inline __attribute__((always_inline)) void one_sequence_avx512_impl(
+static inline __attribute__((always_inline)) void one_row_avx512_impl(
     const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
     int64_t L, int64_t H, int64_t KVH, int64_t BS, float scale, float *out, float *s,
     float *acc, float *inv, int64_t *off, const int64_t C) {
     const int64_t D = 16 * C, G = H / KVH, row = KVH * D;
     const int64_t Lp = (L + 15) & ~(int64_t)15;
-    for (int64_t t = 0; t < L; ++t) off[t] = ((int64_t)table[t / BS] * BS + t % BS) * row;
+    for (int64_t t0 = 0, i = 0; t0 < L; t0 += BS, ++i) { /* no division per token */
+        const int64_t base = (int64_t)table[i] * BS * row, n = L - t0 < BS ? L - t0 : BS;
+        for (int64_t j = 0; j < n; ++j) off[t0 + j] = base + j * row;
+    }
     for (int64_t t = L; t < Lp; ++t) off[t] = off[L - 1];
 
     /* 1. scores s [H, Lp], 16 tokens at a time */
@@ -242,7 +247,7 @@ static int64_t scratch_head_floats(int64_t H, int64_t D, int64_t Lp) {
     return (H * Lp + H * D + H + 1) & ~(int64_t)1;
 }
 
-static void one_sequence(const float *q, const float *k_cache, const float *v_cache,
+static void one_row(const float *q, const float *k_cache, const float *v_cache,
                          const int32_t *table, int64_t L, int64_t H, int64_t KVH, int64_t D,
                          int64_t BS, float scale, float *out, float *scratch, int64_t Lp_max) {
     float *s = scratch;
@@ -251,7 +256,7 @@ static void one_sequence(const float *q, const float *k_cache, const float *v_ca
     int64_t *off = (int64_t *)(scratch + scratch_head_floats(H, D, Lp_max));
 #ifdef __AVX512F__
 #define AVX512_CASE(C)                                                                      \
-    one_sequence_avx512_impl(q, k_cache, v_cache, table, L, H, KVH, BS, scale, out, s, acc, \
+    one_row_avx512_impl(q, k_cache, v_cache, table, L, H, KVH, BS, scale, out, s, acc, \
                              inv, off, C);                                                  \
     return;
     switch (D) {
@@ -264,47 +269,56 @@ static void one_sequence(const float *q, const float *k_cache, const float *v_ca
 #undef AVX512_CASE
 #endif
     (void)off;
-    one_sequence_generic(q, k_cache, v_cache, table, L, H, KVH, D, BS, scale, out, s, acc, inv);
+    one_row_generic(q, k_cache, v_cache, table, L, H, KVH, D, BS, scale, out, s, acc, inv);
 }
 
-/* Returns 0; -1 when no thread could allocate its scratch (a thread that cannot
- * just takes no sequences, the others do them all); -2 - b when sequence b has a
- * length outside [1, t_width * BS] or a block id outside [0, NB) (checked before
- * anything is read, nothing is written). */
-int pagedserve_decode_f32(const float *q, int64_t q_stride, const float *k_cache,
+/* Attends R query rows. Row r: query q + r * q_stride, output out + r * out_stride,
+ * the first lens[r] tokens of the sequence whose block table is row
+ * (row_seq ? row_seq[r] : r) of `tables` (n_tables rows of t_width ids, row
+ * stride t_stride); lens[r] == 0 skips the row (its output is left alone).
+ * Returns 0; -1 when no thread could allocate its scratch (a thread that cannot
+ * just takes no rows, the others do them all); -2 - r when row r has a length
+ * outside [0, t_width * BS], a sequence index outside [0, n_tables) or a block
+ * id outside [0, NB) (all checked before anything is read or written). */
+int pagedserve_attend_f32(const float *q, int64_t q_stride, const float *k_cache,
                           const float *v_cache, int64_t NB, const int32_t *tables,
-                          int64_t t_stride, int64_t t_width, const int32_t *lens, int64_t B,
-                          int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale, float *out,
+                          int64_t n_tables, int64_t t_stride, int64_t t_width,
+                          const int32_t *row_seq, const int32_t *lens, int64_t R, int64_t H,
+                          int64_t KVH, int64_t D, int64_t BS, float scale, float *out,
                           int64_t out_stride, int num_threads) {
     int64_t max_len = 1;
-    for (int64_t b = 0; b < B; ++b) {
-        const int64_t L = lens[b];
-        if (L < 1 || L > t_width * BS) return (int)(-2 - b);
-        const int32_t *table = tables + b * t_stride;
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t L = lens[r], seq = row_seq ? row_seq[r] : r;
+        if (L < 0 || L > t_width * BS || seq < 0 || seq >= n_tables) return (int)(-2 - r);
+        const int32_t *table = tables + seq * t_stride;
         for (int64_t i = 0; i < (L + BS - 1) / BS; ++i)
-            if (table[i] < 0 || table[i] >= NB) return (int)(-2 - b);
+            if (table[i] < 0 || table[i] >= NB) return (int)(-2 - r);
         max_len = L > max_len ? L : max_len;
     }
     const int64_t Lp_max = (max_len + 15) & ~(int64_t)15;
     const size_t scratch_bytes =
         (size_t)(scratch_head_floats(H, D, Lp_max) + 2 * Lp_max) * sizeof(float);
     int64_t next = 0, done = 0;
-    if (B <= 0) return 0;
+    if (R <= 0) return 0;
     if (num_threads < 1) num_threads = 1;
-    if (num_threads > B) num_threads = (int)B;
+    if (num_threads > R) num_threads = (int)R;
 #pragma omp parallel num_threads(num_threads)
     {
         float *s = malloc(scratch_bytes);
         if (s != NULL) {
             for (;;) {
-                int64_t b = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
-                if (b >= B) break;
-                one_sequence(q + b * q_stride, k_cache, v_cache, tables + b * t_stride,
-                             lens[b], H, KVH, D, BS, scale, out + b * out_stride, s, Lp_max);
+                const int64_t r = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
+                if (r >= R) break;
+                if (lens[r] > 0) {
+                    const int64_t seq = row_seq ? row_seq[r] : r;
+                    one_row(q + r * q_stride, k_cache, v_cache, tables + seq * t_stride,
+                                 lens[r], H, KVH, D, BS, scale, out + r * out_stride, s,
+                                 Lp_max);
+                }
                 __atomic_fetch_add(&done, 1, __ATOMIC_RELAXED);
             }
             free(s);
         }
     }
-    return done == B ? 0 : -1;
+    return done == R ? 0 : -1;
 }

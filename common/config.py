@@ -6,6 +6,7 @@ Per-role copies (a prefill worker with a bigger token budget, say) are made with
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -99,20 +100,41 @@ class EngineConfig:
             raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (x86 avx512_bf16 or AMX)."""
+# The CPU flags that dtype resolution sees. Set, it replaces /proc/cpuinfo's flags line
+# (space-separated, e.g. "avx512f amx_bf16" to resolve `auto` as on an AMX Xeon, or
+# "avx512f" as on one without bf16), so both branches of `auto` can be exercised on
+# any machine: the tests inject flags this way, and CI runs the dtype-sensitive test
+# files once more with each setting (.ci/run).
+CPU_FLAGS_ENV = "PAGEDSERVE_CPU_FLAGS"
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags ($PAGEDSERVE_CPU_FLAGS when set, else /proc/cpuinfo)."""
+    forced = os.environ.get(CPU_FLAGS_ENV)
+    if forced is not None:
+        return frozenset(forced.replace(",", " ").split())
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            line = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
     except OSError:
-        return False
-    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
-    """The concrete dtype for "auto" on this device (see EngineConfig.dtype)."""
+def cpu_has_native_bf16(flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU multiplies bf16 in hardware (x86 avx512_bf16 or AMX)."""
+    flags = cpu_flags() if flags is None else flags
+    return any(flag in flags for flag in BF16_CPU_FLAGS)
+
+
+def resolve_dtype(dtype: str, device: str, flags: frozenset[str] | None = None) -> str:
+    """The concrete dtype for "auto" on this device (see EngineConfig.dtype).
+
+    `flags` are the CPU's feature flags (default: `cpu_flags()`); tests pass them.
+    """
     if dtype != "auto":
         return dtype
-    if device.startswith("cuda") or cpu_has_native_bf16():
+    if device.startswith("cuda") or cpu_has_native_bf16(flags):
         return "bfloat16"
     return "float32"

@@ -55,7 +55,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def reference():
-    llm = LLM(str(tiny_checkpoint("llama")), num_blocks=64, max_model_len=256)
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="float32", num_blocks=64, max_model_len=256)
     return lambda ids: llm.generate([ids], SamplingParams(**GREEDY))[0].completions[0].token_ids
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 import os
 import platform
-import resource
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -252,19 +253,47 @@ def test_one_backend_serves_two_threads(use_kernel):
 )
 def test_cpu_malloc_tuning_is_applied_once_and_keeps_freed_pages():
     """model.tune_cpu_malloc (run by building a CPU model): a step's worth of freed
-    multi-MB temporaries is reused by the next step instead of faulting again
-    (untuned, glibc mmaps/trims them: ~49k faults per round here)."""
+    multi-MB temporaries is reused by the next step instead of faulting again.
+
+    Page-fault counts are a property of the machine (49k per round untuned on one
+    Xeon here, 6k tuned on another), so the claim is a ratio: the same round in two
+    fresh processes, tuned and untuned, measured in this test."""
     if os.environ.get("PAGEDSERVE_MALLOC_TUNING") == "0":
         assert tune_cpu_malloc() is False
         return
     assert tune_cpu_malloc() is True
     assert tune_cpu_malloc() is True  # idempotent
 
-    def one_round() -> int:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        ts = [torch.empty(6 << 20).fill_(1.0) for _ in range(8)]  # 8 x 24 MB
-        del ts
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    tuned = _second_round_faults(tuning=True)
+    untuned = _second_round_faults(tuning=False)
+    assert tuned * 4 < untuned, f"faults per round: tuned {tuned}, untuned {untuned}"
 
-    one_round()
-    assert one_round() < 2000  # 49k pages if they went back to the OS
+
+_FAULT_ROUND = """
+import resource, sys, torch
+from pagedserve.common.model import tune_cpu_malloc
+assert tune_cpu_malloc() is (sys.argv[1] == "1")
+
+def one_round():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    ts = [torch.empty(6 << 20).fill_(1.0) for _ in range(8)]  # 8 x 24 MB, then freed
+    del ts
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+one_round()
+print(one_round())
+"""
+
+
+def _second_round_faults(tuning: bool) -> int:
+    """Page faults of the second round of big temporaries, in a fresh process."""
+    env = {**os.environ, "PAGEDSERVE_MALLOC_TUNING": "1" if tuning else "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", _FAULT_ROUND, "1" if tuning else "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return int(out.stdout.split()[-1])

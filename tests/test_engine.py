@@ -30,6 +30,9 @@ def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]
 
 
 def make_llm(arch: str = "llama", **kw) -> LLM:
+    # Exact token parity with transformers is a float32 property: never leave it to
+    # `auto`, which is bf16 on CPUs with bf16 units (tests/test_bf16.py covers bf16).
+    kw.setdefault("dtype", "float32")
     kw.setdefault("num_blocks", 128)
     kw.setdefault("max_model_len", 256)
     return LLM(str(tiny_checkpoint(arch)), **kw)
@@ -226,7 +229,7 @@ def test_eos_finishes(tmp_path: Path):
         cfg = json.loads((ck / name).read_text())
         cfg["eos_token_id"] = full[k]
         (ck / name).write_text(json.dumps(cfg))
-    eos_llm = LLM(str(ck), num_blocks=64, max_model_len=256)
+    eos_llm = LLM(str(ck), dtype="float32", num_blocks=64, max_model_len=256)
     out = eos_llm.generate([p], SamplingParams(temperature=0, max_tokens=24))[0].completions[0]
     assert out.token_ids == full[: k + 1] and out.finish_reason is FinishReason.EOS
     ignored = eos_llm.generate([p], GREEDY)[0].completions[0]
@@ -347,6 +350,7 @@ def test_pool_smaller_than_max_model_len_is_a_config_error():
 def test_engine_config_dataclass_path():
     cfg = EngineConfig(
         model=str(tiny_checkpoint("qwen2")),
+        dtype="float32",
         cache=CacheConfig(block_size=8, num_blocks=64),
         scheduler=SchedulerConfig(max_num_seqs=2, max_model_len=128),
     )

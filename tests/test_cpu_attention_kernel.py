@@ -198,16 +198,23 @@ def fresh_load(monkeypatch, tmp_path):
     cpu_kernel.load.cache_clear()
 
 
-def test_disabled_or_unbuildable_kernel_falls_back_to_torch(fresh_load, monkeypatch):
+def test_disabled_or_unbuildable_kernel_falls_back_to_torch(fresh_load, monkeypatch, caplog):
     q, k, v, kc, vc, meta, ref = _decode_case([5, 40], 6, 2, 32, 16, seed=3)
     monkeypatch.setenv("PAGEDSERVE_CPU_KERNEL", "0")
-    assert cpu_kernel.load() is None
+    with caplog.at_level("INFO", logger=cpu_kernel.__name__):
+        assert cpu_kernel.load() is None
+    assert [r.levelname for r in caplog.records] == ["INFO"]  # chosen: said quietly
     out = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, 32**-0.5)
     assert _rel(out, ref) < 1e-6
     cpu_kernel.load.cache_clear()
+    caplog.clear()
     monkeypatch.delenv("PAGEDSERVE_CPU_KERNEL")
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    assert cpu_kernel.load() is None
+    with caplog.at_level("INFO", logger=cpu_kernel.__name__):
+        assert cpu_kernel.load() is None
+    # Not chosen: loud, with what to install.
+    (record,) = caplog.records
+    assert record.levelname == "WARNING" and "apt-get install gcc" in record.getMessage()
     assert list(fresh_load.rglob("*.so")) == []
 
 

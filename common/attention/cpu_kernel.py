@@ -15,7 +15,9 @@ text, compiler and CPU, into `$PAGEDSERVE_CACHE_DIR` (default
 `~/.cache/pagedserve`)/kernels/, written to a temporary name and renamed so that
 processes building at once never load a half-written file. Anything that fails
 (no compiler, a compile error, a load error, `PAGEDSERVE_CPU_KERNEL=0`) makes
-`load()` return None once, logged at INFO, and callers use the torch path.
+`load()` return None once and callers use the torch path: logged at INFO when
+disabled on purpose, at WARNING otherwise (the torch path is several times slower
+at decode, so a machine without gcc must not lose the kernel silently).
 
 Threads: the kernel's OpenMP parallel region runs in the process's already loaded
 libgomp (torch's: the dynamic loader matches the soname libgomp.so.1), with
@@ -113,7 +115,13 @@ def load() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
         return lib
     except Exception as e:  # any failure means: use the torch path
-        log.info("CPU attention kernel unavailable, using torch attention: %s", e)
+        log.warning(
+            "CPU attention kernel unavailable (%s): using torch attention, which is slower; "
+            "install a C compiler (Debian/Ubuntu: apt-get install gcc) to build it, or set "
+            "%s=0 to choose the torch path quietly",
+            e,
+            _ENV_SWITCH,
+        )
         return None
 
 

@@ -24,6 +24,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -75,19 +76,66 @@ def is_default_model(model: str | None) -> bool:
 def resolve_model_dir(model: str | None, progress: Callable[[str], None] | None = None) -> Path:
     """The local HF checkpoint dir for `model`; builds the default model's cache once.
 
-    Never downloads: a name that is not the default model must be a local dir.
+    `model` is the default model (None), a local checkpoint directory, or a Hugging
+    Face id (`Org/Name`, optionally `@revision`) already in the local Hugging Face
+    cache. Never downloads: an id that is not cached is an error naming the cache.
     """
     if is_default_model(model):
         return ensure_default_checkpoint(progress)
     path = Path(model).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(
-            f"model {model!r} is neither {DEFAULT_MODEL!r} nor a local checkpoint directory "
-            "(pagedserve never downloads weights)"
-        )
+        if _HUB_ID.fullmatch(model):
+            path = hub_cache_snapshot(model)
+        else:
+            raise FileNotFoundError(
+                f"model {model!r} is neither {DEFAULT_MODEL!r}, a local checkpoint directory, "
+                "nor a Hugging Face id (Org/Name) (pagedserve never downloads weights)"
+            )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint dir")
     return path
+
+
+def model_name(model: str | None, source_dir: Path) -> str:
+    """The served name: the default model's, a hub id's (without its revision), else
+    the checkpoint directory's name."""
+    if is_default_model(model):
+        return DEFAULT_MODEL
+    if model is not None and not Path(model).expanduser().is_dir() and _HUB_ID.fullmatch(model):
+        return model.partition("@")[0]
+    return source_dir.resolve().name
+
+
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+(@[\w./-]+)?")
+
+
+def hub_cache_dir() -> Path:
+    """The local Hugging Face hub cache: $HF_HUB_CACHE, else $HF_HOME/hub, else
+    ~/.cache/huggingface/hub (read at each call, unlike huggingface_hub's constants)."""
+    if env := os.environ.get("HF_HUB_CACHE"):
+        return Path(env).expanduser()
+    home = os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def hub_cache_snapshot(model_id: str) -> Path:
+    """The cached snapshot of a hub id (`Org/Name[@revision]`), offline only."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    repo_id, _, revision = model_id.partition("@")
+    cache = hub_cache_dir()
+    try:
+        found = snapshot_download(
+            repo_id, revision=revision or None, cache_dir=cache, local_files_only=True
+        )
+    except LocalEntryNotFoundError:
+        raise FileNotFoundError(
+            f"model {model_id!r} is not in the local Hugging Face cache ({cache}); "
+            "pagedserve never downloads weights: fetch it first (e.g. "
+            f"`huggingface-cli download {repo_id}`) or give a local checkpoint directory"
+        ) from None
+    return Path(found)
 
 
 def default_gguf_path() -> Path:
@@ -204,7 +252,7 @@ def load_model(
     net.load_weights(_iter_safetensors(files))
     net.eval()
     tokenizer = load_tokenizer(source_dir)
-    name = DEFAULT_MODEL if is_default_model(model) else source_dir.resolve().name
+    name = model_name(model, source_dir)
     model_id = f"{name}@{_checkpoint_digest(spec, files)[:16]}"
     logger.info(
         "loaded %s (%s, %s layers, %s q / %s kv heads, head_dim %s) as %s on %s with the %s "

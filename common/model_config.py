@@ -207,6 +207,13 @@ def _eos_ids(eos: Any) -> tuple[int, ...]:
 
 
 def _reject_unsupported_features(arch: str, d: dict) -> None:
+    quant = d.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, Mapping) else quant
+        raise UnsupportedModelError(
+            f"quantized checkpoints are not supported (quantization_config: quant_method "
+            f"{method!r}); pagedserve loads float32/float16/bfloat16 weights"
+        )
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only 'silu')")

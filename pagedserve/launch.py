@@ -250,7 +250,9 @@ def _worker_env() -> dict[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedserve up", description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--model", default=None, help="HF checkpoint dir (default: SmolLM2-135M-Instruct)"
+        "--model",
+        default=None,
+        help="a local HF checkpoint dir, or an Org/Name id already in the local Hugging Face cache (default: SmolLM2-135M-Instruct)",
     )
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")

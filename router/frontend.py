@@ -16,7 +16,7 @@ from pathlib import Path
 
 from google.protobuf.message import Message
 
-from pagedserve.common.loader import DEFAULT_MODEL, is_default_model, resolve_model_dir
+from pagedserve.common.loader import model_name, resolve_model_dir
 from pagedserve.common.model_config import ModelSpec
 from pagedserve.common.protocol import sampling_from_pb
 from pagedserve.common.sampling_params import InvalidRequestError, validate_prompt
@@ -45,9 +45,7 @@ class ModelFrontend:
 
     def __init__(self, config: RouterConfig) -> None:
         self.model_dir = resolve_model_dir(config.model)
-        self.model_name = (
-            DEFAULT_MODEL if is_default_model(config.model) else self.model_dir.resolve().name
-        )
+        self.model_name = model_name(config.model, self.model_dir)
         self.spec = ModelSpec.from_hf_config(
             json.loads((self.model_dir / "config.json").read_text())
         )

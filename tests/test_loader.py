@@ -277,8 +277,10 @@ def test_missing_extra_and_misshapen_tensors_are_named(tmp_path):
 
 
 def test_bad_paths_dtypes_devices_and_backends(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache"):
+        load_model("HuggingFaceTB/SmolLM2-360M-no-such-model")
     with pytest.raises(FileNotFoundError, match="never downloads"):
-        load_model("HuggingFaceTB/SmolLM2-360M")
+        load_model("not a path or an id")
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         load_model(str(tmp_path))
     path = str(tiny_checkpoint("llama"))
@@ -377,3 +379,45 @@ def test_tied_lm_head_is_the_embedding():
     assert torch.equal(model.lm_head, model.embed_tokens.t())
     hidden = torch.randn(3, model.spec.hidden_size)
     torch.testing.assert_close(model.compute_logits(hidden), hidden @ model.embed_tokens.t())
+
+
+def _hub_cache(tmp_path: Path, repo_id: str, revision: str = "main") -> Path:
+    """A Hugging Face hub cache holding the tiny checkpoint as `repo_id`, laid out
+    as huggingface_hub lays it out (refs/<revision> -> snapshots/<commit>)."""
+    cache = tmp_path / "hub"
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(tiny_checkpoint("llama"), repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / revision).write_text(commit)
+    return cache
+
+
+def test_model_by_hub_id_from_the_local_cache(tmp_path, monkeypatch):
+    cache = _hub_cache(tmp_path, "TinyOrg/tiny-llama")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    path = loader.resolve_model_dir("TinyOrg/tiny-llama")
+    assert path.parent.parent.name == "models--TinyOrg--tiny-llama"
+    assert loader.resolve_model_dir("TinyOrg/tiny-llama@main") == path
+    by_id = load_model("TinyOrg/tiny-llama")
+    assert by_id.model_id.startswith("TinyOrg/tiny-llama@")
+    assert by_id.model_id.split("@")[-1] == load_model(str(path)).model_id.split("@")[-1]
+    with pytest.raises(FileNotFoundError, match=f"local Hugging Face cache \\({cache}\\)"):
+        loader.resolve_model_dir("TinyOrg/other-model")
+    with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache"):
+        loader.resolve_model_dir("TinyOrg/tiny-llama@v2")
+
+
+def test_hub_cache_location_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    assert loader.hub_cache_dir() == tmp_path / "hf" / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    assert loader.hub_cache_dir() == tmp_path / "elsewhere"
+
+
+def test_quantized_checkpoint_is_refused_before_loading_weights(tmp_path):
+    ckpt = _copy_checkpoint(tmp_path)
+    _edit_json(ckpt / "config.json", quantization_config={"quant_method": "awq", "bits": 4})
+    with pytest.raises(UnsupportedModelError, match="quantized checkpoints are not supported.*awq"):
+        load_model(str(ckpt))

@@ -290,6 +290,41 @@ def _sample_top_k_top_p(
 ) -> torch.Tensor:
     """Draw for rows with a top-k or a top-p; returns [S] token ids.
 
+    Rows are grouped by their own candidate count (their k, or the top-p level's), one
+    `topk` per group: which of several tied logits `topk` returns depends on how many
+    it is asked for, so a row's candidates - and a seeded row's tokens - must not
+    depend on the k of the other rows in the batch."""
+    vocab = logits.shape[1]
+    groups: dict[int, list[int]] = {}
+    for j, p in enumerate(ps):
+        groups.setdefault(_num_candidates(p, vocab, level), []).append(j)
+    if len(groups) == 1:
+        return _sample_candidates(logits, temperature, ps, u, level)
+    tokens = torch.empty(len(ps), dtype=torch.long, device=logits.device)  # [S]
+    for rows in groups.values():
+        tokens[rows] = _sample_candidates(
+            _take(logits, rows), temperature[rows], [ps[j] for j in rows], u[rows], level
+        )
+    return tokens
+
+
+def _num_candidates(p: SamplingParams, vocab: int, level: int) -> int:
+    """A top-k row's k; a top-p-only row's candidates at this level (all V past the last)."""
+    if 0 < p.top_k < vocab:
+        return p.top_k
+    tries = _TOP_P_CANDIDATES
+    return min(tries[level], vocab) if level < len(tries) else vocab
+
+
+def _sample_candidates(
+    logits: torch.Tensor,  # [S, V] penalized, not yet divided by the temperature
+    temperature: torch.Tensor,  # [S]
+    ps: list[SamplingParams],
+    u: torch.Tensor,  # [S]
+    level: int,
+) -> torch.Tensor:
+    """Draw for rows that share one candidate count; returns [S] token ids.
+
     Works on sorted candidates vals/idx [S, K]: K = the largest k, and at least
     _TOP_P_CANDIDATES[level] when some row has top-p only (all V past the last level).
     The temperature never changes the order: only the candidates are divided by it."""

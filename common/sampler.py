@@ -121,7 +121,7 @@ class Sampler:
         logits = logits.float()  # [N, V]
         penalized = _sanitize(
             _apply_repetition_penalty(logits, params, output_token_ids, prompt_token_ids)
-        )  # [N, V], a copy
+        )  # [N, V], not written to (the caller's tensor when nothing changes it)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
         chosen = torch.empty(n, dtype=torch.long, device=logits.device)  # [N]
@@ -166,7 +166,10 @@ def _fast_greedy(logits: torch.Tensor) -> list[int] | None:
 def _sanitize(logits: torch.Tensor) -> torch.Tensor:
     """float32 [N, V] -> a copy without NaN or +inf (see the module doc): NaN -> -inf;
     a row with +inf -> 0 at its +inf tokens, -inf elsewhere; a row with no finite
-    logit -> all 0 (uniform). Finite rows are unchanged."""
+    logit -> all 0 (uniform). Finite rows are unchanged; an all-finite batch (the usual
+    case) is returned as it is, after one pass. Nothing downstream writes into it."""
+    if torch.isfinite(logits).all():
+        return logits
     out = torch.nan_to_num(logits, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
     posinf = out == math.inf  # [N, V]
     inf_rows = posinf.any(dim=-1)  # [N]

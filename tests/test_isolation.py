@@ -49,11 +49,16 @@ USED_TO_CRASH = SamplingParams(
 
 class FaultInjectionSampler(Sampler):
     """FAULT INJECTION (test only): the real sampler, which then raises when a row's
-    request has seed FAULT_SEED, after the batch's seeded generators have drawn."""
+    request has seed FAULT_SEED, after the batch's seeded generators have drawn.
+    `fault_batches` records the rows of every call it failed."""
+
+    def __init__(self) -> None:
+        self.fault_batches: list[int] = []
 
     def __call__(self, logits, params, generators, output_token_ids, prompt_token_ids):
         out = super().__call__(logits, params, generators, output_token_ids, prompt_token_ids)
         if any(p.seed == FAULT_SEED for p in params):
+            self.fault_batches.append(len(params))
             raise IndexError(f"index {logits.shape[1]} is out of bounds (injected fault)")
         return out
 
@@ -169,12 +174,13 @@ def test_sampler_fault_fails_only_its_request(llm, alone) -> None:
     ps = prompts(4, seed=2)
     faulty = SamplingParams(temperature=0.8, seed=FAULT_SEED, max_tokens=24, ignore_eos=True)
     real = engine.sampler
-    engine.sampler = FaultInjectionSampler()
+    engine.sampler = fault = FaultInjectionSampler()
     try:
         add_batch(engine, ps, faulty)
         outs = run_all(engine)
     finally:
         engine.sampler = real
+    assert fault.fault_batches == [4, 1]  # the whole batch, then r1's row on its own
     last = outs["r1"][-1]
     assert last.finished and last.error is not None
     assert last.error.kind is ErrorKind.INVALID_ARGUMENT  # greedy works on its rows
@@ -306,16 +312,19 @@ def decode_stub(rt: WorkerRuntime):
 def test_decode_worker_fails_one_stream_and_finishes_the_other(workers, alone, fault) -> None:
     dec = workers["dec"]
     ps = prompts(2, seed=6)
-    good = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    good = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    bad = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    good_in_flight: list[bool] = []  # at the bad request's fault: was "good" running?
     if fault == "sampler":
         bad = SamplingParams(temperature=0.8, seed=FAULT_SEED, max_tokens=40, ignore_eos=True)
+        sampler = dec.engine.sampler
+        sampler.fault_batches.clear()
     else:
-        bad = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
         def hook(engine: LLMEngine) -> None:  # FAULT INJECTION, once the request is in
-            if "bad" in engine.requests and not getattr(hook, "done", False):
+            if "bad" in engine.requests and not good_in_flight:
                 inject_detokenizer_fault(engine, "bad", "add", after=2)
-                hook.done = True
+                good_in_flight.append("good" in engine.requests)
 
         dec.loop.step_hooks.append(hook)
     good_stream = decode_stub(dec).Decode(
@@ -341,6 +350,9 @@ def test_decode_worker_fails_one_stream_and_finishes_the_other(workers, alone, f
     t.join(30)
     if fault == "detokenizer":
         dec.loop.step_hooks.remove(hook)
+    else:  # the batched call held both rows, then "bad" failed alone
+        good_in_flight.append(sampler.fault_batches == [2, 1])
+    assert good_in_flight == [True], "the two requests never shared a batch"
     assert got == alone(ps[0], good)
     assert len(errors) == 1
     if fault == "sampler":

@@ -329,7 +329,8 @@ def _sample_candidates(
     """Draw for rows that share one candidate count; returns [S] token ids.
 
     Works on sorted candidates vals/idx [S, K]: K = the largest k, and at least
-    _TOP_P_CANDIDATES[level] when some row has top-p only (all V past the last level).
+    _TOP_P_CANDIDATES[level] when some row has top-p only (all V past the last level);
+    called per group by `_sample_top_k_top_p`, so K is every row's own count.
     The temperature never changes the order: only the candidates are divided by it."""
     vocab = logits.shape[1]
     k_list = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]

@@ -5,6 +5,15 @@ samples, and reports per-request deltas; `abort_request` ends a request at once.
 Every request that ends - finished, aborted, failed - returns every block it
 held in the same call. The engine is single-threaded by design: whoever drives
 it (the offline `LLM`, a worker's loop) calls these methods from one thread.
+
+Fault isolation: a request can only fail itself. Whatever goes wrong in the per-request
+part of a step - sampling, logprobs, detokenizing, stop-string matching - is charged to
+the request it happened in: that request ends with `RequestOutput.error` set (and
+finish reason ABORT), its blocks return, and every other request of the batch gets its
+token as if nothing happened. A failed batched sampler call is retried one request at a
+time (each request's rows, with its seeded generators rewound) to find the culprit. Only
+a fault in the scheduler or the model forward raises out of `step()`, for the caller to
+fail everything in flight.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from pagedserve.common.detokenizer import IncrementalDetokenizer
 from pagedserve.common.kv_cache import KVCache, num_blocks_for_budget
 from pagedserve.common.loader import LoadedModel, load_model
 from pagedserve.common.model_runner import ModelRunner
-from pagedserve.common.sampler import Sampler, TokenLogprobs, make_generator
+from pagedserve.common.sampler import SampleOutput, Sampler, TokenLogprobs, make_generator
 from pagedserve.common.sampling_params import (
     InvalidRequestError,
     SamplingParams,
@@ -31,8 +40,10 @@ from pagedserve.common.sampling_params import (
 )
 from pagedserve.common.scheduler import ScheduledSeq, Scheduler
 from pagedserve.common.sequence import (
+    ErrorKind,
     FinishReason,
     Request,
+    RequestError,
     RequestOutput,
     SampleDelta,
     Sequence,
@@ -247,7 +258,10 @@ class LLMEngine:
             return None
         for seq in req.seqs:
             if not seq.is_finished:
-                self._finish(seq, FinishReason.ABORT)
+                try:
+                    self._finish(seq, FinishReason.ABORT)
+                except Exception:  # its held-back text is lost; its blocks are back
+                    logger.exception("flushing the text of aborted %s failed", seq.seq_id)
         req.forked = True  # no fork will happen any more
         return self._collect([req])[0]
 
@@ -282,8 +296,37 @@ class LLMEngine:
         return self._collect(touched)
 
     def _sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> list[Request]:
-        # A request with n > 1 prefilled its prompt once as sample 0; now the other
-        # samples fork from it (sharing every block) and draw from the same logits row.
+        """Sample every row and append the tokens; returns the requests with news.
+
+        Per-request faults fail only their request (see the module doc)."""
+        rows, seqs = self._fork_samples(sampled)
+        if not seqs:
+            return []
+        if len(rows) != len(sampled):
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        results = self._sample_isolated(logits, seqs)
+        touched: dict[str, Request] = {}
+        for seq, result in zip(seqs, results, strict=True):
+            req = seq.request
+            touched[req.request_id] = req
+            if req.error is not None or result is None or seq.is_finished:
+                continue  # failed in sampling, or a sibling sample failed it just now
+            try:
+                self._append_token(seq, *result)
+            except Exception as e:
+                self._fail_request(
+                    req,
+                    ErrorKind.INTERNAL,
+                    f"internal error while detokenizing or matching stop strings for this "
+                    f"request: {type(e).__name__}: {e}",
+                )
+        return list(touched.values())
+
+    def _fork_samples(self, sampled: list[ScheduledSeq]) -> tuple[list[int], list[Sequence]]:
+        """(logits row, sequence) of everything to sample this step.
+
+        A request with n > 1 prefilled its prompt once as sample 0; now the other
+        samples fork from it (sharing every block) and draw from the same logits row."""
         rows: list[int] = []
         seqs: list[Sequence] = []
         for row, item in enumerate(sampled):
@@ -300,10 +343,10 @@ class LLMEngine:
                     self.scheduler.add_running(child)
                     rows.append(row)
                     seqs.append(child)
-        if not seqs:
-            return []
-        if len(rows) != len(sampled):
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        return rows, seqs
+
+    def _run_sampler(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
+        """The sampler over `seqs`' rows; a token outside the row is a sampler failure."""
         out = self.sampler(
             logits,
             [s.request.params for s in seqs],
@@ -311,11 +354,91 @@ class LLMEngine:
             [s.output_token_ids for s in seqs],
             [s.request.prompt_token_ids for s in seqs],
         )
-        touched: dict[str, Request] = {}
-        for seq, token, lp in zip(seqs, out.token_ids, out.logprobs, strict=True):
-            self._append_token(seq, token, lp)
-            touched[seq.request.request_id] = seq.request
-        return list(touched.values())
+        vocab = logits.shape[1]
+        bad = [t for t in out.token_ids if not 0 <= t < vocab]
+        if bad:
+            raise IndexError(f"the sampler drew token ids {bad} outside [0, {vocab})")
+        return out
+
+    def _sample_isolated(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> list[tuple[int, TokenLogprobs | None] | None]:
+        """(token, logprobs) per sequence; None where its request failed (and was ended).
+
+        One batched sampler call; if it raises, the seeded generators are rewound (a
+        failed call may have drawn from some) and each request's rows are sampled on
+        their own, so only the requests whose own rows fail are failed."""
+        states = [(s.generator, s.generator.get_state()) for s in seqs if s.generator]
+        try:
+            out = self._run_sampler(logits, seqs)
+            return list(zip(out.token_ids, out.logprobs, strict=True))
+        except Exception as e:
+            logger.warning(
+                "sampling a batch of %d rows failed (%s: %s); sampling request by request",
+                len(seqs),
+                type(e).__name__,
+                e,
+            )
+        for generator, state in states:
+            generator.set_state(state)
+        results: list[tuple[int, TokenLogprobs | None] | None] = [None] * len(seqs)
+        by_request: dict[str, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            by_request.setdefault(seq.request.request_id, []).append(i)
+        for idx in by_request.values():
+            group = [seqs[i] for i in idx]
+            sub = logits.index_select(0, torch.tensor(idx, device=logits.device))
+            try:
+                out = self._run_sampler(sub, group)
+            except Exception as e:
+                self._fail_request(group[0].request, *self._sampling_failure(sub, group, e))
+                continue
+            for i, token, lp in zip(idx, out.token_ids, out.logprobs, strict=True):
+                results[i] = (token, lp)
+        return results
+
+    def _sampling_failure(
+        self, logits: torch.Tensor, seqs: list[Sequence], error: Exception
+    ) -> tuple[ErrorKind, str]:
+        """Whose fault: if plain greedy sampling of the same rows works, the request's
+        own sampling parameters made it fail (INVALID_ARGUMENT: the client can change
+        them); otherwise the rows themselves cannot be sampled (INTERNAL)."""
+        what = f"{type(error).__name__}: {error}"
+        try:
+            self.sampler(
+                logits,
+                [SamplingParams(temperature=0)] * len(seqs),
+                [None] * len(seqs),
+                [[] for _ in seqs],
+                [[] for _ in seqs],
+            )
+        except Exception:
+            return ErrorKind.INTERNAL, f"internal error while sampling this request: {what}"
+        p = seqs[0].request.params
+        knobs = (
+            f"temperature={p.temperature}, top_p={p.top_p}, top_k={p.top_k}, "
+            f"min_p={p.min_p}, repetition_penalty={p.repetition_penalty}, "
+            f"logprobs={p.logprobs}, seed={p.seed}"
+        )
+        return (
+            ErrorKind.INVALID_ARGUMENT,
+            f"sampling failed with this request's parameters ({knobs}): {what}; "
+            f"other requests were not affected: change these parameters and retry",
+        )
+
+    def _fail_request(self, req: Request, kind: ErrorKind, message: str) -> None:
+        """Ends `req` alone: every sample finishes (ABORT), its blocks return now,
+        `error` goes out with its last output. The detokenizer is not flushed: it may
+        be what failed."""
+        logger.warning("request %s failed (%s): %s", req.request_id, kind.value, message)
+        if req.error is None:
+            req.error = RequestError(kind, message)
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = FinishReason.ABORT
+                self.scheduler.finish(seq)
+        self.release_held(req.request_id)  # prefill role: samples handed over already
+        req.forked = True  # no fork will happen any more
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> None:
         params = seq.request.params
@@ -487,10 +610,13 @@ class LLMEngine:
             self.abort_request(request_id)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Ends one sample; its blocks return even when flushing its text raises."""
         seq.finish_reason = reason
-        if seq.detokenizer is not None:  # release held-back text ("" after a stop string)
-            seq.pending_text += seq.detokenizer.flush()
-        self.scheduler.finish(seq)
+        try:
+            if seq.detokenizer is not None:  # release held-back text ("" after a stop string)
+                seq.pending_text += seq.detokenizer.flush()
+        finally:
+            self.scheduler.finish(seq)
 
     def _collect(self, reqs: list[Request]) -> list[RequestOutput]:
         outputs = []
@@ -523,7 +649,8 @@ class LLMEngine:
                     cached_tokens=req.num_cached_tokens,
                 )
                 self.requests.pop(req.request_id, None)
-            outputs.append(RequestOutput(req.request_id, samples, finished, usage))
+            error = req.error if finished else None
+            outputs.append(RequestOutput(req.request_id, samples, finished, usage, error))
         return outputs
 
     # -- introspection ------------------------------------------------------------

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from pagedserve.common.engine import LLMEngine
-from pagedserve.common.sequence import RequestOutput
+from pagedserve.common.sequence import RequestError, RequestOutput
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -24,6 +24,15 @@ T = TypeVar("T")
 
 class EngineFailure(RuntimeError):
     """The engine raised while this request was in flight; the request was aborted."""
+
+
+class RequestFailed(EngineFailure):
+    """This request failed on its own (see `RequestError`); the engine and every other
+    request went on. `error.kind` says whether its parameters caused it."""
+
+    def __init__(self, error: RequestError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 class RequestStream:
@@ -39,11 +48,16 @@ class RequestStream:
         self._queue.put(item)
 
     def get(self, timeout: float | None = None) -> RequestOutput:
-        """Next output; raises queue.Empty on timeout, EngineFailure if the engine failed."""
+        """Next output; raises queue.Empty on timeout, RequestFailed if the request failed
+        alone (its last output's deltas are dropped: the caller reports the error),
+        EngineFailure if the engine failed under every request."""
         item = self._queue.get(timeout=timeout)
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        if item.error is not None:
+            self.finished = True
+            raise RequestFailed(item.error)
         if item.finished:
             self.finished = True
         return item
@@ -138,7 +152,10 @@ class EngineLoop:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as e:  # fail what is in flight, keep serving
+            except Exception as e:
+                # A per-request fault never gets here (the engine ends that request alone,
+                # with RequestOutput.error): this is the scheduler or the model forward
+                # failing under the whole batch. Fail what is in flight, keep serving.
                 logger.exception("engine step failed; aborting %d requests", len(self._streams))
                 self._fail_all(e)
                 continue

@@ -13,7 +13,7 @@ from pagedserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedserve.common.engine import LLMEngine
 from pagedserve.common.sampler import TokenLogprobs
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.common.sequence import FinishReason, Request, RequestOutput, Usage
+from pagedserve.common.sequence import FinishReason, Request, RequestError, RequestOutput, Usage
 
 Prompt = str | Seq[int]
 
@@ -32,10 +32,31 @@ class Completion:
 
 @dataclass
 class GenerateResult:
+    """One prompt's outcome. `error` is set when its request failed on its own (its
+    parameters, or a fault while serving it: `error.kind`, `error.message`); its
+    completions then hold what was generated before (finish reason ABORT), and every
+    other prompt of the call is unaffected."""
+
     request_id: str
     prompt_token_ids: list[int]
     completions: list[Completion]
     usage: Usage | None = None
+    error: RequestError | None = None
+
+    def raise_for_error(self) -> GenerateResult:
+        """Returns self; raises `RequestFailedError` when this prompt's request failed."""
+        if self.error is not None:
+            raise RequestFailedError(self.request_id, self.error)
+        return self
+
+
+class RequestFailedError(RuntimeError):
+    """One prompt's request failed on its own (see GenerateResult.error)."""
+
+    def __init__(self, request_id: str, error: RequestError) -> None:
+        super().__init__(f"request {request_id} failed ({error.kind.value}): {error.message}")
+        self.request_id = request_id
+        self.error = error
 
 
 class LLM:
@@ -101,7 +122,10 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[GenerateResult]:
-        """Runs every prompt to completion (continuous batching); results in input order."""
+        """Runs every prompt to completion (continuous batching); results in input order.
+
+        A prompt whose request fails on its own does not raise here (the others would be
+        lost): its result has `error` set; `result.raise_for_error()` raises it."""
         results: dict[str, GenerateResult] = {}
         for out in self.stream(prompts, params):
             if out.request_id not in results:
@@ -119,6 +143,8 @@ class LLM:
                     c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
             if out.usage is not None:
                 res.usage = out.usage
+            if out.error is not None:
+                res.error = out.error
         return [results[rid] for rid in self._submitted if rid in results]
 
     def _submit(

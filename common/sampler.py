@@ -33,7 +33,24 @@ Decisions:
   computed after top-k renormalizes.
 - The caller's `logits` tensor is never modified.
 - Fast path: when every row is greedy, unpenalized and asks no logprobs, the batch is
-  one `argmax` and one `tolist()`: no per-row Python work, no sort.
+  one `argmax` and one `tolist()`: no per-row Python work, no sort. A row whose argmax
+  lands on a NaN takes the general path (below), so a greedy row picks the same token
+  whatever its neighbours ask for.
+
+Numerical safety (every value `SamplingParams.validate` admits, fp32 or bf16 logits):
+- Everything is computed in float32 on `_sanitize`d logits: NaN counts as -inf (never
+  drawn); a row holding +inf keeps exactly its +inf tokens, equally likely (the limit
+  of the distribution); a row with no finite logit at all (all -inf/NaN) has no
+  distribution and is treated as uniform (greedy: its first token, as `argmax` gives).
+- Temperature never divides a raw logit: weights are exp((l - max) / T), where l - max
+  is in [-inf, 0], so neither a tiny T (1e-30) nor huge logits can overflow into inf
+  and NaN; the top token always has weight exactly 1. T, the repetition penalty and
+  top_p are clamped into float32's positive normal range, so a Python float that
+  would round to 0 or inf in float32 (1e-300, 1e300) behaves as the nearest
+  representable value: a tiny T samples among the exact ties of the top logit (the
+  limit distribution), a huge T is uniform over the unmasked tokens.
+- The top token is never masked by top-k, top-p or min-p, so every row keeps a token
+  of positive weight and the inverse-CDF search stays inside the row.
 """
 
 from __future__ import annotations
@@ -97,12 +114,14 @@ class Sampler:
         n = logits.shape[0]
         _check_lengths(n, params, generators, output_token_ids, prompt_token_ids)
         if all(_is_plain_greedy(p) for p in params):
-            return SampleOutput(logits.argmax(dim=-1).tolist(), [None] * n)
+            fast = _fast_greedy(logits)
+            if fast is not None:
+                return SampleOutput(fast, [None] * n)
 
         logits = logits.float()  # [N, V]
-        penalized = _apply_repetition_penalty(
-            logits, params, output_token_ids, prompt_token_ids
-        )  # [N, V], a copy when any row is penalized
+        penalized = _sanitize(
+            _apply_repetition_penalty(logits, params, output_token_ids, prompt_token_ids)
+        )  # [N, V], not written to (the caller's tensor when nothing changes it)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
         chosen = torch.empty(n, dtype=torch.long, device=logits.device)  # [N]
@@ -124,6 +143,43 @@ def _check_lengths(n: int, *lists: Sequence) -> None:
     for name, seq in zip(names, lists, strict=True):
         if len(seq) != n:
             raise ValueError(f"sampler got {n} logits rows but {len(seq)} {name}")
+
+
+_F32 = torch.finfo(torch.float32)
+
+
+def _f32_positive(values: list[float], device: torch.device) -> torch.Tensor:
+    """Positive Python floats as float32, clamped into float32's normal range (a value
+    that would round to 0 or inf keeps its meaning: tiny, or huge)."""
+    return torch.tensor(values, dtype=torch.float64).clamp(_F32.tiny, _F32.max).float().to(device)
+
+
+def _fast_greedy(logits: torch.Tensor) -> list[int] | None:
+    """argmax per row; None when some row's argmax is a NaN (torch ranks NaN highest),
+    which the general path treats as -inf."""
+    chosen = logits.argmax(dim=-1)  # [N]
+    if logits.dtype.is_floating_point and logits.gather(1, chosen[:, None]).isnan().any():
+        return None
+    return chosen.tolist()
+
+
+def _sanitize(logits: torch.Tensor) -> torch.Tensor:
+    """float32 [N, V] -> a copy without NaN or +inf (see the module doc): NaN -> -inf;
+    a row with +inf -> 0 at its +inf tokens, -inf elsewhere; a row with no finite
+    logit -> all 0 (uniform). Finite rows are unchanged; an all-finite batch (the usual
+    case) is returned as it is, after one pass. Nothing downstream writes into it."""
+    if torch.isfinite(logits).all():
+        return logits
+    out = torch.nan_to_num(logits, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+    posinf = out == math.inf  # [N, V]
+    inf_rows = posinf.any(dim=-1)  # [N]
+    if inf_rows.any():
+        flat = torch.full_like(out, -math.inf).masked_fill_(posinf, 0.0)
+        out = torch.where(inf_rows[:, None], flat, out)
+    dead = out.max(dim=-1).values == -math.inf  # [N] nothing finite left
+    if dead.any():
+        out[dead] = 0.0
+    return out
 
 
 def _is_plain_greedy(p: SamplingParams) -> bool:
@@ -152,9 +208,7 @@ def _apply_repetition_penalty(
     out = logits.clone()
     r = torch.tensor(rows, device=logits.device)  # [M]
     c = torch.tensor(cols, device=logits.device)  # [M]
-    penalty = torch.tensor(
-        [p.repetition_penalty for p in params], dtype=logits.dtype, device=logits.device
-    )[r]  # [M]
+    penalty = _f32_positive([p.repetition_penalty for p in params], logits.device)[r]  # [M]
     seen_logits = out[r, c]  # [M]
     out[r, c] = torch.where(seen_logits > 0, seen_logits / penalty, seen_logits * penalty)
     return out
@@ -175,7 +229,7 @@ def _sample_rows(
     vocab = logits.shape[1]
     device = logits.device
     sub = _take(logits, rows)  # [R, V]
-    temperature = torch.tensor([p.temperature for p in ps], device=device)  # [R]
+    temperature = _f32_positive([p.temperature for p in ps], device)  # [R]
     u = _uniforms([generators[i] for i in rows], device)  # [R]
     tokens = torch.empty(len(rows), dtype=torch.long, device=device)  # [R]
     cut = [j for j, p in enumerate(ps) if 0 < p.top_k < vocab or p.top_p < 1.0]
@@ -207,9 +261,12 @@ def _weights(
     logits: torch.Tensor, temperature: torch.Tensor, ps: list[SamplingParams]
 ) -> torch.Tensor:
     """logits: [S, K] (-inf where masked), temperature: [S]. Returns the unnormalized
-    probabilities w = exp((l - max) / T) = p / p_max, zeroed where w < min_p."""
+    probabilities w = exp((l - max) / T) = p / p_max, zeroed where w < min_p.
+
+    Each row has a finite max (see `_sanitize`), so l - max is in [-inf, 0], never
+    NaN, and dividing it by any T in float32's normal range cannot overflow."""
     top = logits.max(dim=-1, keepdim=True).values  # [S, 1]
-    w = (logits - top).div_(temperature[:, None]).exp_()  # [S, K], the top token 1
+    w = (logits - top).div_(temperature[:, None]).exp_()  # [S, K] in [0, 1], the top 1
     if any(p.min_p > 0 for p in ps):
         min_p = torch.tensor([p.min_p for p in ps], device=logits.device)
         w.masked_fill_(w < min_p[:, None], 0.0)
@@ -236,8 +293,44 @@ def _sample_top_k_top_p(
 ) -> torch.Tensor:
     """Draw for rows with a top-k or a top-p; returns [S] token ids.
 
+    Rows are grouped by their own candidate count (their k, or the top-p level's), one
+    `topk` per group: which of several tied logits `topk` returns depends on how many
+    it is asked for, so a row's candidates - and a seeded row's tokens - must not
+    depend on the k of the other rows in the batch."""
+    vocab = logits.shape[1]
+    groups: dict[int, list[int]] = {}
+    for j, p in enumerate(ps):
+        groups.setdefault(_num_candidates(p, vocab, level), []).append(j)
+    if len(groups) == 1:
+        return _sample_candidates(logits, temperature, ps, u, level)
+    tokens = torch.empty(len(ps), dtype=torch.long, device=logits.device)  # [S]
+    for rows in groups.values():
+        tokens[rows] = _sample_candidates(
+            _take(logits, rows), temperature[rows], [ps[j] for j in rows], u[rows], level
+        )
+    return tokens
+
+
+def _num_candidates(p: SamplingParams, vocab: int, level: int) -> int:
+    """A top-k row's k; a top-p-only row's candidates at this level (all V past the last)."""
+    if 0 < p.top_k < vocab:
+        return p.top_k
+    tries = _TOP_P_CANDIDATES
+    return min(tries[level], vocab) if level < len(tries) else vocab
+
+
+def _sample_candidates(
+    logits: torch.Tensor,  # [S, V] penalized, not yet divided by the temperature
+    temperature: torch.Tensor,  # [S]
+    ps: list[SamplingParams],
+    u: torch.Tensor,  # [S]
+    level: int,
+) -> torch.Tensor:
+    """Draw for rows that share one candidate count; returns [S] token ids.
+
     Works on sorted candidates vals/idx [S, K]: K = the largest k, and at least
-    _TOP_P_CANDIDATES[level] when some row has top-p only (all V past the last level).
+    _TOP_P_CANDIDATES[level] when some row has top-p only (all V past the last level);
+    called per group by `_sample_top_k_top_p`, so K is every row's own count.
     The temperature never changes the order: only the candidates are divided by it."""
     vocab = logits.shape[1]
     k_list = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
@@ -247,8 +340,9 @@ def _sample_top_k_top_p(
         tries = _TOP_P_CANDIDATES
         n_cand = max(n_cand, tries[level] if level < len(tries) else vocab)
     n_cand = min(n_cand, vocab)
-    vals, idx = logits.topk(n_cand, dim=-1)  # [S, K] descending
-    vals = vals / temperature[:, None]
+    vals, idx = logits.topk(n_cand, dim=-1)  # [S, K] descending, vals[:, 0] finite
+    top = vals[:, :1]  # [S, 1] each row's max
+    vals = (vals - top) / temperature[:, None]  # in [-inf, 0]: no overflow for a tiny T
     k = torch.tensor(k_list, device=logits.device)  # [S]
     rank = torch.arange(n_cand, device=logits.device)  # [K]
     vals = vals.masked_fill(rank[None, :] >= k[:, None], -math.inf)  # top-k by rank
@@ -258,15 +352,17 @@ def _sample_top_k_top_p(
     lse = vals.logsumexp(dim=-1)  # [S]
     partial = top_p_only if n_cand < vocab else []  # normalized over more than vals
     if partial:
-        scaled = logits[partial] / temperature[partial, None]  # [P, V]
+        scaled = (logits[partial] - top[partial]) / temperature[partial, None]  # [P, V]
         lse[partial] = scaled.logsumexp(dim=-1)
     probs = (vals - lse[:, None]).exp()  # [S, K]
     # A row whose candidates hold less mass than its top_p is cut past them: next level.
     mass = probs[partial].sum(dim=-1).tolist() if partial else []
     short = [j for j, m in zip(partial, mass, strict=True) if m < ps[j].top_p]
-    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in ps], device=u.device)
+    top_p = _f32_positive([p.top_p if p.top_p < 1.0 else math.inf for p in ps], u.device)
     mass_before = probs.cumsum(dim=-1) - probs  # exclusive: the top token always stays
-    vals = vals.masked_fill(mass_before >= top_p[:, None], -math.inf)
+    cut_p = mass_before >= top_p[:, None]  # [S, K]
+    cut_p[:, 0] = False  # the top token stays whatever rounding did
+    vals = vals.masked_fill(cut_p, -math.inf)
 
     ones = torch.ones_like(temperature)  # vals are already scaled
     weights = _weights(vals, ones, ps)  # [S, K]
@@ -293,7 +389,7 @@ def _logprobs(
     lse = sub.logsumexp(dim=-1, keepdim=True)  # [S, 1]
     chosen_ids = torch.tensor([token_ids[i] for i in rows], device=sub.device)
     chosen = (sub.gather(1, chosen_ids[:, None]) - lse).squeeze(1).tolist()  # [S]
-    kmax = max(params[i].logprobs for i in rows)  # type: ignore[type-var]
+    kmax = min(max(params[i].logprobs for i in rows), sub.shape[1])  # type: ignore[type-var]
     top_vals, top_ids = sub.topk(kmax, dim=-1)  # [S, kmax]
     top_vals, top_ids = (top_vals - lse).tolist(), top_ids.tolist()
     for j, i in enumerate(rows):

@@ -14,6 +14,19 @@ Decisions:
 - The prompt plus `max_tokens` must fit in `max_model_len` (the last generated token
   needs no KV slot, but every token before it does, and the client asked for all of
   them): a request that could not finish is rejected up front instead of being cut.
+- No floor or ceiling on temperature or repetition_penalty beyond "finite": the sampler
+  is exact for every positive finite value (it scales l - max, never a raw logit, and
+  clamps into float32's normal range; see common/sampler.py). A tiny temperature
+  (1e-30) samples among the exact ties of the top logit, the limit of the distribution,
+  which is what a client asking for "almost greedy" wants; treating it as greedy would
+  change how seeds and `n` behave, and rejecting it would break such clients. Likewise
+  a huge temperature is uniform over the tokens top-k/top-p/min-p keep. Every admitted
+  combination is exercised by tests/test_sampler_property.py.
+- Limits that keep one request's per-token work small (every stop string is searched
+  for, and held text kept, on every token; stop token ids are checked on every token):
+  at most MAX_STOP_STRINGS stop strings of at most MAX_STOP_STRING_CHARS characters,
+  at most MAX_STOP_TOKEN_IDS stop token ids. `logprobs` is at most the engine's
+  `max_logprobs` and at most the vocabulary size.
 """
 
 from __future__ import annotations
@@ -22,6 +35,10 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 128
 
 
 class InvalidRequestError(ValueError):
@@ -83,7 +100,7 @@ class SamplingParams:
             _check_int("seed", self.seed)
         self._validate_n(max_n)
         self._validate_stops(vocab_size)
-        self._validate_logprobs(max_logprobs)
+        self._validate_logprobs(max_logprobs, vocab_size)
         if not isinstance(self.ignore_eos, bool):
             _fail("ignore_eos", self.ignore_eos, "must be true or false")
 
@@ -101,13 +118,19 @@ class SamplingParams:
     def _validate_stops(self, vocab_size: int | None) -> None:
         if not isinstance(self.stop, list):
             _fail("stop", self.stop, "must be a string or a list of strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            _fail_count("stop", len(self.stop), "strings", MAX_STOP_STRINGS)
         for i, s in enumerate(self.stop):
             if not isinstance(s, str):
                 _fail(f"stop[{i}]", s, "must be a string")
             if not s:
                 _fail(f"stop[{i}]", s, "must not be empty")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                _fail_count(f"stop[{i}]", len(s), "characters", MAX_STOP_STRING_CHARS)
         if not isinstance(self.stop_token_ids, list):
             _fail("stop_token_ids", self.stop_token_ids, "must be a list of token ids")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            _fail_count("stop_token_ids", len(self.stop_token_ids), "ids", MAX_STOP_TOKEN_IDS)
         for i, t in enumerate(self.stop_token_ids):
             _check_int(f"stop_token_ids[{i}]", t)
             if t < 0:
@@ -115,12 +138,14 @@ class SamplingParams:
             if vocab_size is not None and t >= vocab_size:
                 _fail(f"stop_token_ids[{i}]", t, f"is outside the vocabulary [0, {vocab_size})")
 
-    def _validate_logprobs(self, max_logprobs: int) -> None:
+    def _validate_logprobs(self, max_logprobs: int, vocab_size: int | None) -> None:
         if self.logprobs is None:
             return
         _check_int("logprobs", self.logprobs)
         if not 0 <= self.logprobs <= max_logprobs:
             _fail("logprobs", self.logprobs, f"must be between 0 and {max_logprobs}")
+        if vocab_size is not None and self.logprobs > vocab_size:
+            _fail("logprobs", self.logprobs, f"must be at most the vocabulary size ({vocab_size})")
 
 
 def validate_prompt(
@@ -156,6 +181,10 @@ def validate_prompt(
 
 def _fail(name: str, value: object, rule: str) -> None:
     raise InvalidRequestError(f"{name} {rule}, got {value!r}")
+
+
+def _fail_count(name: str, count: int, unit: str, limit: int) -> None:
+    raise InvalidRequestError(f"{name} has {count} {unit}; at most {limit} are allowed")
 
 
 def _check_int(name: str, value: object) -> None:

@@ -42,6 +42,22 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # the client cancelled, or the request failed
 
 
+class ErrorKind(str, enum.Enum):
+    """Why one request failed on its own (the servicers map it to a gRPC status)."""
+
+    INVALID_ARGUMENT = "invalid_argument"  # its own parameters made the step fail for it
+    INTERNAL = "internal"  # a fault while serving it (detokenizer, stop strings, ...)
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """A request that failed alone: it ended (finish reason ABORT) and returned its
+    blocks; every other request of the step went on. `message` says what failed and why."""
+
+    kind: ErrorKind
+    message: str
+
+
 @dataclass
 class Sequence:
     seq_id: str
@@ -89,6 +105,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage)
     forked: bool = False  # the n > 1 samples have been forked from sample 0
     prefill_only: bool = False  # prefill role: hold the blocks after the first token
+    error: RequestError | None = None  # set when this request failed on its own
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -128,6 +145,7 @@ class RequestOutput:
     samples: list[SampleDelta]
     finished: bool
     usage: Usage | None = None  # set once the whole request has finished
+    error: RequestError | None = None  # the request failed alone (finished is True)
 
 
 def make_seq_id(request_id: str, index: int) -> str:

@@ -20,7 +20,7 @@ import grpc
 import torch
 
 from pagedserve.common.engine import ImportPlan
-from pagedserve.common.engine_loop import EngineFailure, RequestStream
+from pagedserve.common.engine_loop import EngineFailure, RequestFailed, RequestStream
 from pagedserve.common.protocol import delta_to_pb, logprobs_from_pb, sampling_from_pb
 from pagedserve.common.sampling_params import InvalidRequestError
 from pagedserve.common.sequence import Request
@@ -28,7 +28,7 @@ from pagedserve.common.worker import WorkerRuntime
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.sinks import CacheSink
 from pagedserve.kvtransfer.wire import KVTransferError
-from pagedserve.prefill_worker.servicer import import_prefix, release_lease
+from pagedserve.prefill_worker.servicer import failure_status, import_prefix, release_lease
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -145,6 +145,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 out = stream.get(timeout=POLL_S)
             except queue.Empty:
                 continue
+            except RequestFailed as e:  # this request alone: its parameters, or INTERNAL
+                context.abort(failure_status(e.error), str(e))
             except EngineFailure as e:
                 context.abort(grpc.StatusCode.INTERNAL, str(e))
             for d in out.samples:

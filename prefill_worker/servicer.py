@@ -19,10 +19,10 @@ import uuid
 import grpc
 
 from pagedserve.common.engine import LLMEngine
-from pagedserve.common.engine_loop import EngineFailure
+from pagedserve.common.engine_loop import EngineFailure, RequestFailed
 from pagedserve.common.protocol import logprobs_to_pb, sampling_from_pb
 from pagedserve.common.sampling_params import InvalidRequestError
-from pagedserve.common.sequence import FinishReason, Request, SampleDelta
+from pagedserve.common.sequence import ErrorKind, FinishReason, Request, RequestError, SampleDelta
 from pagedserve.common.worker import WorkerRuntime
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.sinks import CacheSink
@@ -31,6 +31,18 @@ from pagedserve.v1 import kvtransfer_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.1  # how often a waiting handler checks that its caller is still there
+
+
+_FAILURE_STATUS = {
+    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+def failure_status(error: RequestError) -> grpc.StatusCode:
+    """The status of a request that failed alone: INVALID_ARGUMENT when its own
+    parameters caused it, INTERNAL otherwise (the message says which and why)."""
+    return _FAILURE_STATUS[error.kind]
 
 
 def wait_first_tokens(stream, context: grpc.ServicerContext) -> dict[int, SampleDelta]:
@@ -44,6 +56,8 @@ def wait_first_tokens(stream, context: grpc.ServicerContext) -> dict[int, Sample
             out = stream.get(timeout=POLL_S)
         except queue.Empty:
             continue
+        except RequestFailed as e:
+            context.abort(failure_status(e.error), str(e))
         except EngineFailure as e:
             context.abort(grpc.StatusCode.INTERNAL, str(e))
         for d in out.samples:

@@ -48,6 +48,9 @@ REJECTED = [
     (dict(stop_token_ids=["7"]), "stop_token_ids[0] must be an integer, got '7'"),
     (dict(logprobs=-1), "logprobs must be between 0 and 20, got -1"),
     (dict(logprobs=21), "logprobs must be between 0 and 20, got 21"),
+    (dict(stop=["a"] * 17), "stop has 17 strings; at most 16 are allowed"),
+    (dict(stop=["ok", "x" * 257]), "stop[1] has 257 characters; at most 256 are allowed"),
+    (dict(stop_token_ids=[1] * 129), "stop_token_ids has 129 ids; at most 128 are allowed"),
     (dict(ignore_eos="yes"), "ignore_eos must be true or false, got 'yes'"),
 ]
 
@@ -92,6 +95,13 @@ def test_configured_limits() -> None:
         SamplingParams(n=4).validate(max_n=3)
     with pytest.raises(InvalidRequestError, match=r"^logprobs must be between 0 and 5, got 6$"):
         SamplingParams(logprobs=6).validate(max_logprobs=5)
+    with pytest.raises(
+        InvalidRequestError, match=r"^logprobs must be at most the vocabulary size \(10\), got 15$"
+    ):
+        SamplingParams(logprobs=15).validate(vocab_size=10)
+    SamplingParams(stop=["x" * 256] * 16, stop_token_ids=[1] * 128, logprobs=10).validate(
+        vocab_size=10
+    )
     # Without a vocabulary only the sign of stop token ids is checked.
     SamplingParams(stop_token_ids=[10**6]).validate()
 

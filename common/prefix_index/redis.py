@@ -103,7 +103,10 @@ from pagedserve.common.prefix_index.faults import LogLimiter
 logger = logging.getLogger(__name__)
 
 # Shared Lua helpers. KEYS[1] is always the registry (ps:{ns}:workers), ARGV[1]
-# the namespace prefix (ps:{ns}:).
+# the namespace prefix (ps:{ns}:). Every write to an h: key (shared by all workers)
+# is a pcall: an h: key someone overwrote with another type (WRONGTYPE) is left as
+# it is (that block is simply not indexed) instead of failing every worker's
+# apply, resync and heartbeat-drain.
 _LUA_PRELUDE = """
 local prefix = ARGV[1]
 local registry = KEYS[1]
@@ -137,7 +140,7 @@ local function drain(budget, only)
     local okey = prefix .. 'old:' .. w
     local popped = redis.call('SPOP', okey, budget)
     for _, hx in ipairs(popped) do
-      redis.call('SREM', prefix .. 'h:' .. hx, w)
+      redis.pcall('SREM', prefix .. 'h:' .. hx, w)
     end
     budget = budget - #popped
     if redis.call('EXISTS', okey) == 0 then redis.call('SREM', draining, w) end
@@ -183,10 +186,10 @@ for i = nxt - seq + 4, #ARGV do
   local op = ARGV[i]
   local hx = string.sub(op, 2)
   if string.sub(op, 1, 1) == 's' then
-    redis.call('SADD', prefix .. 'h:' .. hx, w)
+    redis.pcall('SADD', prefix .. 'h:' .. hx, w)
     redis.call('SADD', wkey, hx)
   else
-    redis.call('SREM', prefix .. 'h:' .. hx, w)
+    redis.pcall('SREM', prefix .. 'h:' .. hx, w)
     redis.call('SREM', wkey, hx)
   end
 end
@@ -218,7 +221,7 @@ local w = ARGV[2]
 local mkey, wkey = prefix .. 'm:' .. w, prefix .. 'w:' .. w
 if redis.call('HGET', mkey, 'resync') ~= '1' then return 0 end
 for i = 4, #ARGV do
-  redis.call('SADD', prefix .. 'h:' .. ARGV[i], w)
+  redis.pcall('SADD', prefix .. 'h:' .. ARGV[i], w)
   redis.call('SADD', wkey, ARGV[i])
 end
 if ARGV[3] ~= '' then

@@ -32,6 +32,8 @@ Decisions
 - A member whose value is not a string (WRONGTYPE) or whose id does not decode is
   skipped (and logged, rate-limited), never fatal for the whole read.
 
+An ACL user needs what the prefix index needs (redis.py) plus ``+multi +exec``.
+
 An edge module (Redis): the engine core never imports it.
 """
 
@@ -160,9 +162,12 @@ class RegistryPublisher:
     Never raises (the heartbeat loop must go on, whatever Redis answers): a failed
     beat is logged (the first of an outage at once, then rate-limited), counted in
     ``failures``, and the next beat is skipped until a backoff measured from the end
-    of the failed call has passed (``retry_s`` doubling up to ``max_retry_s``), so a
-    hung Redis costs the heartbeat thread one socket timeout per backoff period, not
-    one per beat. ``degraded`` is True from a failed beat until the next good one.
+    of the failed call has passed (``retry_s`` doubling up to ``max_retry_s``,
+    jittered), so a hung Redis costs the heartbeat thread one socket timeout per
+    backoff period, not one per beat. The cap stays below a router's worker timeout (3 s by default):
+    once Redis is back, a worker reports again before the routers' grace (a full
+    timeout from the first good read) runs out. ``degraded`` is True from a failed
+    beat until the next good one.
     """
 
     def __init__(
@@ -171,8 +176,8 @@ class RegistryPublisher:
         worker_id: str,
         ttl_s: float,
         *,
-        retry_s: float = 0.5,
-        max_retry_s: float = 5.0,
+        retry_s: float = 0.25,
+        max_retry_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.worker_id = check_worker_id(worker_id)

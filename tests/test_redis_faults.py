@@ -483,3 +483,48 @@ def test_clients_name_themselves_with_timeouts_set(cluster: Cluster, redis_modul
     kwargs = registry._redis.connection_pool.connection_kwargs
     assert kwargs["socket_timeout"] == kwargs["socket_connect_timeout"] == 0.5
     assert kwargs["health_check_interval"] > 0
+
+
+# ---- the worker's index sync: a queue between the engine thread and Redis ----------------
+
+
+def test_index_sync_overflow_drops_the_queue_and_resyncs(fault: Fault):
+    """More events than the queue holds: dropped at once on the engine thread (which
+    never waits), then a resync from a snapshot taken after the loss, as for a GAP."""
+    from pagedserve.common.engine import LLMEngine
+    from pagedserve.common.sampling_params import SamplingParams
+    from pagedserve.common.worker import IndexSync, WorkerConfig
+
+    cfg = tiny_engine_config()
+    engine = LLMEngine(cfg)
+    worker = WorkerConfig("w0", "decode", engine=cfg, redis_url=fault.server.url, index_ttl_s=5)
+    sync = IndexSync(worker, engine, max_queued_events=4)
+    publisher = sync.publisher
+    assert publisher is not None
+    index = publisher.index
+
+    def run_engine(until: Callable[[], bool]) -> None:
+        """The test thread plays the engine thread: steps, and runs the hook after each."""
+        end = time.monotonic() + 30
+        while not until():
+            assert time.monotonic() < end, "timed out"
+            if engine.has_unfinished_requests():
+                engine.step()
+            sync(engine)
+            time.sleep(0.01)
+
+    def indexed() -> bool:
+        return index.worker_hashes("w0") == set(engine.block_manager.cached_hashes())
+
+    try:
+        run_engine(lambda: publisher.stats.resyncs == 1 and indexed())  # the first contact
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        engine.add_request("r", prompt_token_ids=list(range(3, 103)), params=params)
+        run_engine(lambda: not engine.has_unfinished_requests())  # 6 full blocks: > 4 events
+        run_engine(lambda: publisher.stats.resyncs == 2 and indexed())
+        assert publisher.stats.dropped_events >= 6 and not publisher.degraded
+        assert len(engine.block_manager.cached_hashes()) >= 6
+        engine.check_integrity()
+    finally:
+        sync.goodbye()
+    assert not sync._thread.is_alive()

@@ -31,7 +31,9 @@ Decisions
   the publishing thread, say) are reported with :meth:`lost`: a resync is due, and
   its snapshot, taken after the loss, covers them.
 - ``snapshot`` is called from whichever thread calls ``flush``/``tick``/``resync``:
-  call them from the thread that owns the block manager.
+  call them from the thread that owns the block manager, or pass a ``snapshot`` that
+  asks that thread for it (the worker's IndexSync publishes from a thread of its own,
+  so that a hung index never stalls the engine, and does the latter).
 """
 
 from __future__ import annotations

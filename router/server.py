@@ -259,21 +259,30 @@ class Router:
 
         The read (a socket timeout at worst, when Redis hangs) never runs on the event
         loop. After a failed read the next one waits a backoff measured from the end of
-        the failure (`registry_poll_s` doubling up to 2 s, jittered). Nothing but
+        the failure (`registry_poll_s` doubling up to 2 s, jittered). While degraded,
+        the last view is kept alive every `registry_poll_s`, through backoff waits and
+        hung reads alike, so no wait here outlasts the workers' timeout. Nothing but
         cancellation ends this loop: an error of any kind is logged (rate-limited) and
         the router keeps its last view (`_registry_degraded`).
         """
+        registry = self.redis_registry
+        assert registry is not None
         poll_s = self.config.registry_poll_s
         backoff = Backoff(poll_s, max(poll_s, 2.0))
         reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="redis-registry")
         loop = asyncio.get_running_loop()
         try:
             while True:
-                await asyncio.sleep(backoff.delay() or poll_s)
-                assert self.redis_registry is not None
+                due = loop.time() + (backoff.delay() or poll_s)
+                while (left := due - loop.time()) > 0:
+                    await asyncio.sleep(min(left, poll_s))
+                    self._keep_registry_view()
+                read = loop.run_in_executor(reader, registry.read)
+                while not read.done():
+                    await asyncio.wait({read}, timeout=poll_s)
+                    self._keep_registry_view()
                 try:
-                    entries = await loop.run_in_executor(reader, self.redis_registry.read)
-                    self._apply_registry(entries)
+                    self._apply_registry(read.result())
                 except Exception as e:  # IndexUnavailableError (any Redis error) or a bug
                     backoff.failed()
                     self._registry_degraded(e)
@@ -281,6 +290,12 @@ class Router:
                     backoff.succeeded()
         finally:
             reader.shutdown(wait=False, cancel_futures=True)
+
+    def _keep_registry_view(self) -> None:
+        """While degraded: the workers fed from Redis stay routable (see below)."""
+        if self._registry_outage:
+            for wid in self._redis_fed:
+                self.registry.touch(wid)
 
     def poll_redis_registry(self) -> bool:
         """One read of the Redis worker registry, applied; False if it failed (degraded).
@@ -316,8 +331,7 @@ class Router:
         )
         self._registry_outage = True
         self.counters["registry_unavailable"] += 1
-        for wid in self._redis_fed:
-            self.registry.touch(wid)
+        self._keep_registry_view()
 
     def _apply_registry(self, entries: dict[str, bytes]) -> None:
         """Applies the workers' stats read from Redis (new ones only) and their goodbyes.

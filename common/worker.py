@@ -25,6 +25,7 @@ from pagedserve.common.engine import LLMEngine
 from pagedserve.common.engine_loop import EngineLoop
 from pagedserve.common.loader import LoadedModel
 from pagedserve.common.prefix_index import IndexPublisher, open_prefix_index
+from pagedserve.common.prefix_index.faults import Backoff, LogLimiter
 from pagedserve.common.prefix_index.remote import RemotePrefixIndex
 from pagedserve.kvtransfer.handle import local_host_id
 from pagedserve.kvtransfer.source import KVSource, add_kvtransfer_service
@@ -202,24 +203,35 @@ class WorkerRuntime:
         self.loop.call(lambda e: e.check_integrity())
 
     def _heartbeat_loop(self) -> None:
+        """Beats every `heartbeat_interval_s` (from the end of the last beat) until stop.
+
+        Nothing may end this thread but stop(): a worker whose heartbeats stop leaves
+        routing for good. Every failure is logged (rate-limited) and the next beat
+        tries again; the Redis publisher backs off by itself and never raises.
+        """
         address = self.config.registry_address
         channel = grpc.insecure_channel(address) if address else None
         stub = worker_pb2_grpc.RegistryStub(channel) if channel else None
+        log = LogLimiter(logger)
         while not self._stop.is_set():
-            stats = None
             try:
-                stats = self.stats()
-                if stub is not None:
-                    stub.Heartbeat(worker_pb2.HeartbeatRequest(stats=stats), timeout=2.0)
+                self._beat_once(stub)
             except grpc.RpcError as e:
-                logger.debug("heartbeat to %s failed: %s", address, e)
+                log.log(logging.DEBUG, "rpc", "heartbeat to %s failed: %s", address, e)
             except Exception:
-                logger.exception("heartbeat failed")
-            if stats is not None and self.registry_publisher is not None:
-                self.registry_publisher.beat(stats.SerializeToString())  # logs an outage once
+                log.log(logging.ERROR, "bug", "heartbeat failed", exc_info=True)
             self._stop.wait(self.config.heartbeat_interval_s)
         if channel is not None:
             channel.close()
+
+    def _beat_once(self, stub: worker_pb2_grpc.RegistryStub | None) -> None:
+        stats = self.stats()
+        try:
+            if stub is not None:
+                stub.Heartbeat(worker_pb2.HeartbeatRequest(stats=stats), timeout=2.0)
+        finally:  # the Redis registry gets its beat even when the router's failed
+            if self.registry_publisher is not None:
+                self.registry_publisher.beat(stats.SerializeToString())  # never raises
 
 
 class _StatusServicer(worker_pb2_grpc.WorkerStatusServicer):
@@ -231,45 +243,177 @@ class _StatusServicer(worker_pb2_grpc.WorkerStatusServicer):
 
 
 class IndexSync:
-    """Publishes the block manager's events to the prefix index; a step hook.
+    """Publishes the block manager's events to the prefix index without stalling the engine.
 
-    Runs on the engine thread (the block manager's owner), after every step and
-    every idle tick. Events are drained even with no index configured, so they never
-    pile up. When the index is unreachable the publisher drops its buffer (a resync
-    will follow) and this hook waits `retry_s` before trying again, so an outage
-    costs the engine one failed call per `retry_s`, not one per step.
+    Two halves:
+
+    - the step hook (``__call__``), on the engine thread after every step and idle
+      tick: drains the block manager's events into a bounded queue and answers
+      snapshot requests. Memory work only: it never waits on the index, so a Redis
+      that hangs (``CLIENT PAUSE``, a dead link) does not slow ``engine.step()``.
+      Events are drained even with no index configured, so they never pile up.
+    - a publishing thread (``index-sync-<worker>``, started by the first hook call):
+      numbers the queued events (``IndexPublisher.add``), flushes them, heartbeats and
+      resyncs; after a failed call it backs off (``retry_s`` doubling up to
+      ``max_retry_s``, jittered, measured from the end of the failed call).
+
+    Decisions
+    ---------
+    - The queue holds at most ``max_queued_events``. When an event would not fit, the
+      queue is emptied and the loss reported (``IndexPublisher.lost``): the next flush
+      resyncs, from a snapshot taken after the loss. Only events queued after the
+      loss are replayed on top of it, never an older one that a dropped newer event
+      would have contradicted (the snapshot-plus-replay argument of base.py).
+    - The snapshot is taken on the engine thread (the block manager is not
+      thread-safe): the publishing thread asks, the hook answers at its next run
+      (after the current step, or within the engine loop's 50 ms idle tick), after
+      draining, so every event numbered before it is covered.
+    - Liveness follows the engine: the publishing thread heartbeats and flushes only
+      while the hook ran within ``ttl/2``, so a stopped or wedged engine loop leaves the
+      index within its TTL, as when heartbeats ran on the engine thread.
     """
 
-    def __init__(self, config: WorkerConfig, engine: LLMEngine, retry_s: float = 1.0) -> None:
+    POLL_S = 0.1  # the publishing thread's wake-up when nothing arrives (heartbeats)
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        engine: LLMEngine,
+        retry_s: float = 0.25,
+        max_retry_s: float = 5.0,
+        max_queued_events: int = 1 << 16,
+        snapshot_timeout_s: float = 10.0,
+    ) -> None:
         self.engine = engine
-        self.retry_s = retry_s
-        self._retry_at = 0.0
+        self.worker_id = config.worker_id
+        self.backoff = Backoff(retry_s, max_retry_s)
+        self.max_queued_events = max_queued_events
+        self.snapshot_timeout_s = snapshot_timeout_s
+        self.stall_s = config.index_ttl_s / 2
         self.publisher: IndexPublisher | None = None
+        self._cond = threading.Condition()
+        self._queue: list[list[object]] = []  # drained event lists, oldest first
+        self._queued = 0  # events in _queue
+        self._lost = 0  # events dropped on overflow, not yet reported to the publisher
+        self._snapshot_wanted = False
+        self._snapshot: list[bytes] | None = None
+        self._last_hook = float("-inf")  # monotonic time of the hook's last run
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._log = LogLimiter(logger)
         index = None
         if config.redis_url:
-            index = open_prefix_index(config.redis_url, engine.model_id)
+            from pagedserve.common.prefix_index.connection import client_name
+
+            index = open_prefix_index(
+                config.redis_url, engine.model_id, name=client_name("worker", config.worker_id)
+            )
         elif config.index_address:
             index = RemotePrefixIndex(config.index_address, timeout_s=0.5)
         if index is not None:
             self.publisher = IndexPublisher(
                 index,
                 config.worker_id,
-                snapshot=engine.block_manager.cached_hashes,
+                snapshot=self._take_snapshot,
                 ttl_s=config.index_ttl_s,
             )
+
+    # -- the engine thread -------------------------------------------------------------
 
     def __call__(self, engine: LLMEngine) -> None:
         events = engine.block_manager.drain_events()
         if self.publisher is None:
             return
-        self.publisher.add(events)
-        now = time.monotonic()
-        if now < self._retry_at:
+        with self._cond:
+            self._last_hook = time.monotonic()
+            if events:
+                if self._queued + len(events) > self.max_queued_events:
+                    self._lost += self._queued + len(events)
+                    self._queue.clear()
+                    self._queued = 0
+                else:
+                    self._queue.append(events)
+                    self._queued += len(events)
+                self._cond.notify_all()
+            wanted = self._snapshot_wanted
+        if wanted:  # after draining: the snapshot covers every event queued so far
+            hashes = engine.block_manager.cached_hashes()
+            with self._cond:
+                self._snapshot, self._snapshot_wanted = hashes, False
+                self._cond.notify_all()
+        if self._thread is None and not self._stop.is_set():
+            self._thread = threading.Thread(
+                target=self._run, name=f"index-sync-{self.worker_id}", daemon=True
+            )
+            self._thread.start()
+
+    # -- the publishing thread ---------------------------------------------------------
+
+    def _take_snapshot(self) -> list[bytes]:
+        """The block manager's cached hashes, taken by the engine thread (see Decisions)."""
+        deadline = time.monotonic() + self.snapshot_timeout_s
+        with self._cond:
+            self._snapshot, self._snapshot_wanted = None, True
+            while self._snapshot is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    self._snapshot_wanted = False
+                    raise TimeoutError(
+                        f"engine thread gave no block-hash snapshot within "
+                        f"{self.snapshot_timeout_s:g} s (stopped or stuck in a step)"
+                    )
+                self._cond.wait(min(left, self.POLL_S))
+            hashes, self._snapshot = self._snapshot, None
+            return hashes
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                wait_s = self.backoff.delay() or self.POLL_S
+                self._cond.wait_for(
+                    lambda: self._queue or self._lost or self._stop.is_set(), wait_s
+                )
+                batches, self._queue, self._queued = self._queue, [], 0
+                lost, self._lost = self._lost, 0
+                engine_alive = time.monotonic() - self._last_hook <= self.stall_s
+            try:
+                self._publish(batches, lost, engine_alive)
+            except Exception:  # a bug: logged, and the loop goes on
+                self.backoff.failed()
+                self._log.log(logging.ERROR, "bug", "index sync failed", exc_info=True)
+
+    def _publish(self, batches: list[list[object]], lost: int, engine_alive: bool) -> None:
+        publisher = self.publisher
+        assert publisher is not None
+        if lost:
+            self._log.log(
+                logging.WARNING,
+                "overflow",
+                "index sync of %s: queue full, %d events dropped; resyncing",
+                self.worker_id,
+                lost,
+            )
+            publisher.lost(lost)
+        for events in batches:
+            try:
+                publisher.add(events)
+            except Exception:  # not a block event: count it lost, so numbering stays true
+                publisher.lost(len(events))
+                self._log.log(logging.ERROR, "add", "unpublishable events", exc_info=True)
+        if self._stop.is_set() or not engine_alive or not self.backoff.ready():
             return
-        if not self.publisher.tick():
-            self._retry_at = now + self.retry_s
+        if publisher.tick():
+            self.backoff.succeeded()
+        else:
+            self.backoff.failed()  # now, after the call returned: from its end
 
     def goodbye(self) -> None:
+        """Stops the publishing thread and removes this worker from the index."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
         if self.publisher is not None:
             self.publisher.goodbye()
             self.publisher.index.close()

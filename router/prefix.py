@@ -22,8 +22,17 @@ therefore credits a worker with the chain of every request it is computing for t
 router (`reserve`, released when the request ends), as Dynamo's and llm-d's routers
 do; such blocks count for routing but not as a source of a pull.
 
-Degraded mode: when the index cannot be reached (`IndexUnavailableError`) the match
-is None and routing goes by load only; the index is tried again after
+Off the event loop: in Redis mode the router's requests look the index up with
+`match_async`, which runs the round trip on a small thread pool of its own
+(`LOOKUP_THREADS`): a Redis that accepts but never answers costs those threads a
+socket timeout, never the event loop (health checks, GetModelInfo and the other
+requests go on). When every lookup thread is busy the request is routed by load
+only at once (counted as `index_busy`) rather than queued behind a stuck lookup.
+The sync `match` remains for `preview` and tests (it blocks its caller).
+
+Degraded mode: when the index cannot be used (`IndexUnavailableError`: any Redis
+error, READONLY / OOM / NOPERM answers included; or any unexpected error of a lookup)
+the match is None and routing goes by load only; the index is tried again after
 `PrefixRouting.index_retry_s`, so an outage costs one failed call per period, not
 one per request. When Redis answers again the workers resync their full lists by
 themselves (their publishers see the empty index as a gap), so the index refills
@@ -34,11 +43,13 @@ on every hit and an export of a missing prefix answers NOT_FOUND.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from pagedserve.common.block_manager import block_hashes
 from pagedserve.common.prefix_index import (
@@ -54,6 +65,7 @@ from pagedserve.router.registry import WorkerRegistry
 logger = logging.getLogger(__name__)
 
 EMBEDDED_NAMESPACE = "embedded"  # one router serves one model: no need to tell them apart
+LOOKUP_THREADS = 4  # Redis lookups in flight at once (~120 us each when Redis is healthy)
 
 
 class PrefixLookup:
@@ -77,6 +89,9 @@ class PrefixLookup:
         self._pending: dict[str, collections.Counter[bytes]] = {}  # worker -> chain refcounts
         self.retry_at = 0.0  # clock time before which the index is not tried (after a failure)
         self.unavailable = False  # the last call failed (degraded: load-only routing)
+        self._lookups: ThreadPoolExecutor | None = None  # Redis mode: match_async's threads
+        self._in_flight = 0  # match_async lookups running on those threads
+        self._scripts_loaded: set[str] = set()  # model ids whose scripts were loaded
 
     def index(self, model_id: str | None = None) -> PrefixIndex | None:
         """The index for `model_id` (the registry's model when None); None if unknown yet."""
@@ -88,10 +103,12 @@ class PrefixLookup:
         index = self._redis.get(model_id)
         if index is None:
             assert self.redis_url
-            index = self._redis[model_id] = open_prefix_index(self.redis_url, model_id)
+            from pagedserve.common.prefix_index.connection import client_name
+
+            index = self._redis[model_id] = open_prefix_index(
+                self.redis_url, model_id, name=client_name("router", "index")
+            )
             logger.info("prefix index: redis %s, namespace %r", index.url, model_id)  # type: ignore[attr-defined]
-            with contextlib.suppress(IndexUnavailableError):  # else loaded on first use
-                index.load_scripts()  # type: ignore[attr-defined]  (even the first match: 1 RTT)
         return index
 
     def chain(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> list[bytes] | None:
@@ -105,26 +122,76 @@ class PrefixLookup:
     def match(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> PrefixMatch | None:
         """Per routable worker, how many leading blocks of the prompt it holds.
 
-        None: no worker has reported its model yet, or the index is unreachable
-        (then it is not asked again before `index_retry_s`).
+        None: no worker has reported its model yet, or the index is unusable (then it
+        is not asked again before `index_retry_s`). Blocks on the index round trip:
+        the router's requests use `match_async`.
         """
-        hashes = self.chain(prompt_token_ids, cache_salt)
-        if hashes is None or self.clock() < self.retry_at:
-            return None
-        bs = self.registry.block_size()
+        hashes = self._hashes_to_look_up(prompt_token_ids, cache_salt)
         if not hashes:
-            return PrefixMatch(bs, 0, {})
+            return None if hashes is None else PrefixMatch(self.registry.block_size(), 0, {})
         index = self.index()
         if index is None:
             return None
         try:
             counts = index.match(hashes)
-        except IndexUnavailableError as e:
+        except Exception as e:
             self._outage(e)
             return None
+        return self._matched(hashes, counts)
+
+    async def match_async(
+        self, prompt_token_ids: Sequence[int], cache_salt: str | None
+    ) -> PrefixMatch | None:
+        """`match`, with a Redis round trip run on the lookup threads, off the event loop."""
+        if self.embedded is not None:  # in memory: nothing to wait for
+            return self.match(prompt_token_ids, cache_salt)
+        hashes = self._hashes_to_look_up(prompt_token_ids, cache_salt)
+        if not hashes:
+            return None if hashes is None else PrefixMatch(self.registry.block_size(), 0, {})
+        index = self.index()
+        if index is None:
+            return None
+        if self._in_flight >= LOOKUP_THREADS:
+            self.counters["index_busy"] += 1
+            return None
+        if self._lookups is None:
+            self._lookups = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="index-lookup")
+        model_id = self.registry.model_id() or ""
+        self._in_flight += 1
+        try:
+            loop = asyncio.get_running_loop()
+            counts = await loop.run_in_executor(
+                self._lookups, self._lookup, index, model_id, hashes
+            )
+        except Exception as e:
+            self._outage(e)
+            return None
+        finally:
+            self._in_flight -= 1
+        return self._matched(hashes, counts)
+
+    def _lookup(self, index: PrefixIndex, model_id: str, hashes: list[bytes]) -> dict[str, int]:
+        """On a lookup thread: load the scripts once (so later matches are 1 RTT), match."""
+        if model_id not in self._scripts_loaded:
+            with contextlib.suppress(IndexUnavailableError):  # else loaded on first use
+                index.load_scripts()  # type: ignore[attr-defined]
+                self._scripts_loaded.add(model_id)
+        return index.match(hashes)
+
+    def _hashes_to_look_up(
+        self, prompt_token_ids: Sequence[int], cache_salt: str | None
+    ) -> list[bytes] | None:
+        """The chain to look up; None when no lookup is due (no model yet, backing off)."""
+        hashes = self.chain(prompt_token_ids, cache_salt)
+        if hashes is None or self.clock() < self.retry_at:
+            return None
+        return hashes
+
+    def _matched(self, hashes: list[bytes], counts: dict[str, int]) -> PrefixMatch:
         if self.unavailable:
             logger.warning("prefix index reachable again: prefix-aware routing resumes")
             self.unavailable = False
+        bs = self.registry.block_size()
         blocks = {w: n for w, n in counts.items() if n}
         holders = [(info, n) for w, n in blocks.items() if (info := self.registry.get(w))]
         holders.sort(key=lambda h: (-h[1], h[0].inflight, h[0].worker_id))
@@ -150,14 +217,23 @@ class PrefixLookup:
 
         return release
 
-    def _outage(self, e: IndexUnavailableError) -> None:
+    def _outage(self, e: Exception) -> None:
+        """A failed lookup (now, after it returned): load-only until `index_retry_s` passed."""
         self.counters["index_unavailable"] += 1
         self.retry_at = self.clock() + self.config.prefix.index_retry_s
         if not self.unavailable:
-            logger.warning("prefix index unreachable, routing by load only: %s", e)
+            logger.warning(
+                "prefix index unusable, routing by load only: %s: %s",
+                type(e).__name__,
+                e,
+                exc_info=not isinstance(e, IndexUnavailableError),
+            )
         self.unavailable = True
 
     def close(self) -> None:
+        if self._lookups is not None:
+            self._lookups.shutdown(wait=False, cancel_futures=True)
+            self._lookups = None
         for index in self._redis.values():
             index.close()
         self._redis.clear()

@@ -54,10 +54,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagedserve.common.prefix_index import IndexUnavailableError
+from pagedserve.common.prefix_index.faults import Backoff, LogLimiter
 from pagedserve.common.prefix_index.remote import PrefixIndexServicer
 from pagedserve.common.sampling_params import InvalidRequestError
 from pagedserve.common.worker import GRPC_OPTIONS
@@ -69,6 +71,7 @@ from pagedserve.router.metrics import RouterMetrics
 from pagedserve.router.policy import (
     LeastLoadedPolicy,
     PrefixAwarePolicy,
+    PrefixMatch,
     RouteRequest,
     RoutingPolicy,
     Scored,
@@ -156,7 +159,8 @@ class Router:
         # Redis mode: workers' stats are read from Redis (several routers share them).
         self.redis_registry = None
         self._redis_fed: dict[str, int] = {}  # worker id -> timestamp of the stats applied
-        self._registry_outage = False
+        self._registry_outage = False  # the last read failed: the view is the last good one
+        self._registry_log = LogLimiter(logger)
         # Seconds from a request's arrival to its routing decision (validation,
         # tokenizing, admission, hashing, index lookup, ranking), newest last.
         self.route_latencies: collections.deque[float] = collections.deque(maxlen=100_000)
@@ -205,9 +209,12 @@ class Router:
         await self._update_health()
         self._sweeper = asyncio.create_task(self._sweep_loop())
         if self.config.redis_url:
+            from pagedserve.common.prefix_index.connection import client_name
             from pagedserve.common.prefix_index.worker_registry import RedisWorkerRegistry
 
-            self.redis_registry = RedisWorkerRegistry(self.config.redis_url)
+            self.redis_registry = RedisWorkerRegistry(
+                self.config.redis_url, name=client_name("router", "registry")
+            )
             self._poller = asyncio.create_task(self._registry_poll_loop())
         logger.info(
             "router serving %s on %s (index: %s, policy: %s)",
@@ -248,38 +255,114 @@ class Router:
             self.registry.sweep()
 
     async def _registry_poll_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.registry_poll_s)
-            self.poll_redis_registry()
+        """Reads the Redis worker registry every `registry_poll_s`, on a thread of its own.
 
-    def poll_redis_registry(self) -> None:
-        """Applies the workers' stats found in Redis (new ones only) and their goodbyes.
+        The read (a socket timeout at worst, when Redis hangs) never runs on the event
+        loop. After a failed read the next one waits a backoff measured from the end of
+        the failure (`registry_poll_s` doubling up to 2 s, jittered). While degraded,
+        the last view is kept alive every `registry_poll_s`, through backoff waits and
+        hung reads alike, so no wait here outlasts the workers' timeout. Nothing but
+        cancellation ends this loop: an error of any kind is logged (rate-limited) and
+        the router keeps its last view (`_registry_degraded`).
+        """
+        registry = self.redis_registry
+        assert registry is not None
+        poll_s = self.config.registry_poll_s
+        backoff = Backoff(poll_s, max(poll_s, 2.0))
+        reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="redis-registry")
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                due = loop.time() + (backoff.delay() or poll_s)
+                while (left := due - loop.time()) > 0:
+                    await asyncio.sleep(min(left, poll_s))
+                    self._keep_registry_view()
+                read = loop.run_in_executor(reader, registry.read)
+                while not read.done():
+                    await asyncio.wait({read}, timeout=poll_s)
+                    self._keep_registry_view()
+                try:
+                    self._apply_registry(read.result())
+                except Exception as e:  # IndexUnavailableError (any Redis error) or a bug
+                    backoff.failed()
+                    self._registry_degraded(e)
+                else:
+                    backoff.succeeded()
+        finally:
+            reader.shutdown(wait=False, cancel_futures=True)
 
-        Redis unreachable: the last view is kept (the workers fed from Redis stay
-        routable; a call that fails marks its worker down as usual) until it answers.
+    def _keep_registry_view(self) -> None:
+        """While degraded: the workers fed from Redis stay routable (see below)."""
+        if self._registry_outage:
+            for wid in self._redis_fed:
+                self.registry.touch(wid)
+
+    def poll_redis_registry(self) -> bool:
+        """One read of the Redis worker registry, applied; False if it failed (degraded).
+
+        Blocks on Redis: the router's own loop uses `_registry_poll_loop` instead.
+        """
+        assert self.redis_registry is not None
+        try:
+            self._apply_registry(self.redis_registry.read())
+        except Exception as e:
+            self._registry_degraded(e)
+            return False
+        return True
+
+    def _registry_degraded(self, e: Exception) -> None:
+        """Redis failed us (down, hung, READONLY, OOM, NOPERM...): keep the last view.
+
+        The workers fed from Redis stay routable (a call that fails marks its worker
+        down as usual) until it answers; routing goes by load where the prefix index
+        fails too. The read writes a probe key (worker_registry.py), so a Redis that
+        refuses the workers' writes lands here too rather than in a sweep of them all.
+        """
+        if not self._registry_outage:
+            self._registry_log.reset("outage")  # a new outage: say so at once
+        self._registry_log.log(
+            logging.WARNING,
+            "outage",
+            "worker registry unusable, keeping the last view of %d workers: %s: %s",
+            len(self._redis_fed),
+            type(e).__name__,
+            e,
+            exc_info=not isinstance(e, IndexUnavailableError),
+        )
+        self._registry_outage = True
+        self.counters["registry_unavailable"] += 1
+        self._keep_registry_view()
+
+    def _apply_registry(self, entries: dict[str, bytes]) -> None:
+        """Applies the workers' stats read from Redis (new ones only) and their goodbyes.
+
+        A malformed entry (not a WorkerStats, or another worker's id inside) is skipped
+        and logged (rate-limited), never fatal for the others.
         """
         from pagedserve.common.prefix_index.worker_registry import TOMBSTONE
 
-        assert self.redis_registry is not None
-        try:
-            entries = self.redis_registry.read()
-        except IndexUnavailableError as e:
-            if not self._registry_outage:
-                logger.warning("worker registry unreachable, keeping the last view: %s", e)
-            self._registry_outage = True
-            self.counters["registry_unavailable"] += 1
-            for wid in self._redis_fed:
-                self.registry.touch(wid)
-            return
         if self._registry_outage:
             logger.warning("worker registry reachable again")
             self._registry_outage = False
+            # Give every worker fed from Redis a full timeout to report again: its own
+            # beats may still be backing off from the outage.
+            for wid in self._redis_fed:
+                self.registry.touch(wid)
         for wid, data in entries.items():
             if data == TOMBSTONE:
                 if self._redis_fed.pop(wid, None) is not None:
                     self.registry.goodbye(wid)
                 continue
-            stats = worker_pb2.WorkerStats.FromString(data)
+            try:
+                stats = worker_pb2.WorkerStats.FromString(data)
+                if stats.worker_id != wid:
+                    raise ValueError(f"stats of {stats.worker_id!r} under the key of {wid!r}")
+            except (DecodeError, ValueError) as e:
+                self.counters["registry_malformed"] += 1
+                self._registry_log.log(
+                    logging.WARNING, "malformed", "skipping worker %r in Redis: %s", wid, e
+                )
+                continue
             if self._redis_fed.get(wid) == stats.timestamp_unix_ms:
                 continue  # no news: a silent worker is not kept alive by its old key
             try:
@@ -317,10 +400,23 @@ class Router:
 
     def route_request(self, r: ResolvedRequest) -> RouteRequest:
         """What the policy sees: the request plus, for a prefix-aware policy, the index's
-        per-worker match of its prompt (None while the index is unreachable)."""
+        per-worker match of its prompt (None while the index is unreachable).
+
+        Blocks on a Redis index (for `preview`); requests use `route_request_async`."""
         match = None
         if self.policy.uses_prefix_index:
             match = self.prefix.match(r.prompt_token_ids, r.cache_salt)
+        return self._route_request(r, match)
+
+    async def route_request_async(self, r: ResolvedRequest) -> RouteRequest:
+        """`route_request` with the index lookup off the event loop (router/prefix.py)."""
+        match = None
+        if self.policy.uses_prefix_index:
+            match = await self.prefix.match_async(r.prompt_token_ids, r.cache_salt)
+        return self._route_request(r, match)
+
+    def _route_request(self, r: ResolvedRequest, match: PrefixMatch | None) -> RouteRequest:
+        if self.policy.uses_prefix_index:
             self.counters["index_lookups" if match is not None else "index_skipped"] += 1
             if match is not None and match.holders:  # for the metrics (router/metrics.py)
                 self.counters["index_hits"] += 1
@@ -395,7 +491,7 @@ class Router:
     async def _serve(
         self, r: ResolvedRequest, context: grpc.aio.ServicerContext, arrived: float
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        rr = self.route_request(r)
+        rr = await self.route_request_async(r)
         first = self.pick("decode", rr, set())
         if first is None:
             raise _Abort(grpc.StatusCode.UNAVAILABLE, _no_worker_message("decode", set()))

@@ -714,7 +714,7 @@ def test_redis_url_with_acl_user_and_password(redis_server: str, unique_namespac
         enabled=True,
         passwords=[f"+{password}"],
         keys=["ps:*"],
-        commands=["+@read", "+@write", "+@scripting", "+ping"],
+        commands=["+@read", "+@write", "+@scripting", "+ping", "+client|setname"],
     )
     port = redis_server.rsplit(":", 1)[1].split("/")[0]
     good = RedisPrefixIndex(f"redis://{user}:{password}@127.0.0.1:{port}/0", unique_namespace)

@@ -8,6 +8,11 @@
   a Redis URL is configured.
 - ``publisher``: the worker side: numbers block-manager events, batches them,
   resyncs from the full list when the index asks or comes back.
+- ``connection``: the one way to connect to Redis (timeouts, health checks, client
+  names) and to read its errors (every ``redis.RedisError`` is an
+  :class:`IndexUnavailableError`). Imports ``redis``.
+- ``faults``: retry backoff measured from the end of a failed call, rate-limited logs.
+- ``worker_registry``: workers' stats in Redis, read by every router replica.
 """
 
 from __future__ import annotations

@@ -23,8 +23,17 @@ Decisions
   the index is unreachable nothing is buffered, so an outage costs no memory.
 - Resync heartbeats first, so another worker's reaping cannot drop the list
   between the two calls.
+- Any exception from the index (not only :class:`IndexUnavailableError`: a bug, a
+  snapshot that could not be taken) counts as lost contact: buffered events are
+  dropped, a resync is due, and the error is logged (the first of an outage at once,
+  then at most one line per 30 s). Nothing a backend does stops the caller's loop.
+- Events lost before they were numbered (a full queue between the engine thread and
+  the publishing thread, say) are reported with :meth:`lost`: a resync is due, and
+  its snapshot, taken after the loss, covers them.
 - ``snapshot`` is called from whichever thread calls ``flush``/``tick``/``resync``:
-  call them from the thread that owns the block manager.
+  call them from the thread that owns the block manager, or pass a ``snapshot`` that
+  asks that thread for it (the worker's IndexSync publishes from a thread of its own,
+  so that a hung index never stalls the engine, and does the latter).
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from pagedserve.common.prefix_index.base import (
     check_ttl,
     check_worker_id,
 )
+from pagedserve.common.prefix_index.faults import LogLimiter
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +117,7 @@ class IndexPublisher:
         self._needs_resync = True
         self._next_heartbeat = float("-inf")
         self._outage = False
+        self._log = LogLimiter(logger)
 
     @property
     def next_seq(self) -> int:
@@ -115,6 +126,11 @@ class IndexPublisher:
     @property
     def needs_resync(self) -> bool:
         return self._needs_resync
+
+    @property
+    def degraded(self) -> bool:
+        """True from a failed call to the index until the next one that succeeds."""
+        return self._outage
 
     # -- feeding --------------------------------------------------------------
 
@@ -127,6 +143,13 @@ class IndexPublisher:
             if not self._needs_resync:  # a pending resync will cover them
                 self._pending.extend(converted)
             return len(converted)
+
+    def lost(self, count: int) -> None:
+        """``count`` events were lost before they were numbered: resync at the next flush."""
+        with self._lock:
+            self.stats.dropped_events += count + len(self._pending)
+            self._pending.clear()
+            self._needs_resync = True
 
     def publish(self, events: Iterable[object]) -> bool:
         """``add`` then ``flush``."""
@@ -154,7 +177,7 @@ class IndexPublisher:
             ]
             try:
                 results = self.index.apply_many(batches)
-            except IndexUnavailableError as exc:
+            except Exception as exc:
                 self._lost_contact_locked(exc)
                 return False
             self._pending.clear()
@@ -192,7 +215,7 @@ class IndexPublisher:
             self._needs_resync = True
             try:
                 self.index.remove_worker(self.worker_id)
-            except IndexUnavailableError as exc:
+            except Exception as exc:
                 self._lost_contact_locked(exc)
                 return False
             return True
@@ -202,20 +225,20 @@ class IndexPublisher:
     def _heartbeat_locked(self) -> bool:
         try:
             self.index.heartbeat(self.worker_id, self.ttl_s)
-        except IndexUnavailableError as exc:
+        except Exception as exc:
             self._lost_contact_locked(exc)
             return False
         self._next_heartbeat = self._clock() + self.heartbeat_every_s
         return True
 
     def _resync_locked(self) -> bool:
-        # Everything numbered so far happened before this snapshot: it is covered.
-        hashes = list(self._snapshot())
-        next_seq = self._next_seq
         try:
+            # Everything numbered so far happened before this snapshot: it is covered.
+            hashes = list(self._snapshot())
+            next_seq = self._next_seq
             self.index.heartbeat(self.worker_id, self.ttl_s)
             self.index.resync(self.worker_id, hashes, next_seq)
-        except IndexUnavailableError as exc:
+        except Exception as exc:
             self._lost_contact_locked(exc)
             return False
         self._next_heartbeat = self._clock() + self.heartbeat_every_s
@@ -229,13 +252,22 @@ class IndexPublisher:
         self._back_in_contact_locked()
         return True
 
-    def _lost_contact_locked(self, exc: IndexUnavailableError) -> None:
+    def _lost_contact_locked(self, exc: Exception) -> None:
         self.stats.unavailable += 1
         self.stats.dropped_events += len(self._pending)
         self._pending.clear()
         self._needs_resync = True
         if not self._outage:
-            logger.warning("prefix index unreachable from %s: %s", self.worker_id, exc)
+            self._log.reset("lost")  # a new outage: say so at once
+        self._log.log(
+            logging.WARNING,
+            "lost",
+            "prefix index unusable from %s (resync pending): %s: %s",
+            self.worker_id,
+            type(exc).__name__,
+            exc,
+            exc_info=not isinstance(exc, IndexUnavailableError),
+        )
         self._outage = True
 
     def _back_in_contact_locked(self) -> None:

@@ -1,6 +1,7 @@
 """The prefix index on Redis: one view shared by every router replica.
 
-This is the only module in ``common/`` that imports ``redis``.
+Only this module, ``connection`` (how every client connects) and ``worker_registry``
+import ``redis``; nothing in the engine core does.
 
 Storage layout
 --------------
@@ -53,30 +54,30 @@ Decisions
   its key expires. Its entries cannot expire by TTL (an ``h:`` set is shared by
   all workers), so the next heartbeat of any worker, ``workers()`` or ``reap()``
   removes every registered worker without an ``alive:`` key.
-- Unreachable Redis (refused, timed out, authentication failed, loading) raises
-  :class:`IndexUnavailableError` after at most one immediate retry with a short
-  socket timeout: the router falls back to load-only routing, publishers resync
-  when it answers again (a restarted, empty Redis answers every batch with GAP).
+- Any Redis error (refused, timed out, authentication failed, loading, and also
+  READONLY / OOM / NOPERM / WRONGTYPE answers) raises :class:`IndexUnavailableError`
+  after at most one immediate retry with a short socket timeout (connection.py): the
+  router falls back to load-only routing, publishers resync when it answers again (a
+  restarted, empty Redis answers every batch with GAP).
+- Replies are parsed defensively: an entry that does not decode (a worker id that is
+  not UTF-8, a member of a ``w:`` set that is not a hash) is skipped and logged, so a
+  malformed key costs that entry, never the whole answer.
 - Scripts use no Redis 7-only syntax, so a Redis 6.2 server works too.
 
 An ACL user for the index needs ``~ps:*`` (or the namespaced pattern) and the
-commands ``+evalsha +eval +script|load +ping`` plus those the scripts call
-(``+@read +@write``).
+commands ``+evalsha +eval +script|load +ping +client|setname`` (every connection
+names itself, connection.py) plus those the scripts call (``+@read +@write``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
-
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from pagedserve.common.prefix_index.base import (
+    HASH_SIZE,
     ApplyResult,
     EventBatch,
     EventKind,
@@ -88,11 +89,24 @@ from pagedserve.common.prefix_index.base import (
     check_ttl,
     check_worker_id,
 )
+from pagedserve.common.prefix_index.connection import (
+    DEFAULT_SOCKET_TIMEOUT_S,
+    check_namespace,
+    check_url,
+    client_name,
+    connect_redis,
+    redact_url,
+    redis_errors,
+)
+from pagedserve.common.prefix_index.faults import LogLimiter
 
 logger = logging.getLogger(__name__)
 
 # Shared Lua helpers. KEYS[1] is always the registry (ps:{ns}:workers), ARGV[1]
-# the namespace prefix (ps:{ns}:).
+# the namespace prefix (ps:{ns}:). Every write to an h: key (shared by all workers)
+# is a pcall: an h: key someone overwrote with another type (WRONGTYPE) is left as
+# it is (that block is simply not indexed) instead of failing every worker's
+# apply, resync and heartbeat-drain.
 _LUA_PRELUDE = """
 local prefix = ARGV[1]
 local registry = KEYS[1]
@@ -126,7 +140,7 @@ local function drain(budget, only)
     local okey = prefix .. 'old:' .. w
     local popped = redis.call('SPOP', okey, budget)
     for _, hx in ipairs(popped) do
-      redis.call('SREM', prefix .. 'h:' .. hx, w)
+      redis.pcall('SREM', prefix .. 'h:' .. hx, w)
     end
     budget = budget - #popped
     if redis.call('EXISTS', okey) == 0 then redis.call('SREM', draining, w) end
@@ -172,10 +186,10 @@ for i = nxt - seq + 4, #ARGV do
   local op = ARGV[i]
   local hx = string.sub(op, 2)
   if string.sub(op, 1, 1) == 's' then
-    redis.call('SADD', prefix .. 'h:' .. hx, w)
+    redis.pcall('SADD', prefix .. 'h:' .. hx, w)
     redis.call('SADD', wkey, hx)
   else
-    redis.call('SREM', prefix .. 'h:' .. hx, w)
+    redis.pcall('SREM', prefix .. 'h:' .. hx, w)
     redis.call('SREM', wkey, hx)
   end
 end
@@ -207,7 +221,7 @@ local w = ARGV[2]
 local mkey, wkey = prefix .. 'm:' .. w, prefix .. 'w:' .. w
 if redis.call('HGET', mkey, 'resync') ~= '1' then return 0 end
 for i = 4, #ARGV do
-  redis.call('SADD', prefix .. 'h:' .. ARGV[i], w)
+  redis.pcall('SADD', prefix .. 'h:' .. ARGV[i], w)
   redis.call('SADD', wkey, ARGV[i])
 end
 if ARGV[3] ~= '' then
@@ -262,7 +276,9 @@ end
 for i = 2, #KEYS do
   if nactive == 0 then break end
   local still, n = {}, 0
-  for _, w in ipairs(redis.call('SMEMBERS', KEYS[i])) do
+  -- pcall: an h: key someone overwrote with another type (WRONGTYPE) reads as an
+  -- empty set (an error table has no array part), not as an error for the request.
+  for _, w in ipairs(redis.pcall('SMEMBERS', KEYS[i])) do
     if active[w] then
       still[w] = true
       counts[w] = i - 1
@@ -287,23 +303,7 @@ _RESULTS = {
 }
 
 
-def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (for messages and logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
-
-
-def check_namespace(namespace: object) -> str:
-    if not isinstance(namespace, str) or not namespace:
-        raise ValueError(f"namespace must be a non-empty string, got {namespace!r}")
-    if any(c in "{}" or c.isspace() for c in namespace) or not namespace.isprintable():
-        raise ValueError(f"namespace must be printable without braces or spaces: {namespace!r}")
-    return namespace
+__all__ = ["RedisPrefixIndex", "check_namespace", "redact_url"]  # re-exported for callers
 
 
 class RedisPrefixIndex(PrefixIndex):
@@ -322,15 +322,14 @@ class RedisPrefixIndex(PrefixIndex):
         namespace: str,
         *,
         key_prefix: str = "ps",
-        socket_timeout_s: float = 0.5,
+        socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
         max_hashes_per_call: int = 2048,
+        name: str | None = None,
         **connection_options: Any,
     ):
-        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis url must start with redis://, rediss:// or unix://: {url!r}")
+        check_url(url)
         check_namespace(namespace)
         check_namespace(key_prefix)
-        check_ttl(socket_timeout_s)
         if not isinstance(max_hashes_per_call, int) or max_hashes_per_call < 1:
             raise ValueError(f"max_hashes_per_call must be a positive int: {max_hashes_per_call!r}")
         self.namespace = namespace
@@ -338,16 +337,14 @@ class RedisPrefixIndex(PrefixIndex):
         self.max_hashes_per_call = max_hashes_per_call
         self._prefix = f"{key_prefix}:{{{namespace}}}:"
         self._registry = self._prefix + "workers"
-        options: dict[str, Any] = {
-            "socket_timeout": socket_timeout_s,
-            "socket_connect_timeout": socket_timeout_s,
-            # One immediate retry: rides over a connection the server closed
-            # (restart) without stretching an outage into seconds. Every script
-            # is safe to run twice (sequence numbers make apply idempotent).
-            "retry": Retry(NoBackoff(), 1),
-        }
-        options.update(connection_options)
-        self._redis = redis.Redis.from_url(url, **options)
+        self._describe = f"redis prefix index {self.url} (namespace {namespace!r})"
+        self._malformed = LogLimiter(logger)
+        self._redis = connect_redis(
+            url,
+            name=name or client_name("index", namespace),
+            socket_timeout_s=socket_timeout_s,
+            **connection_options,
+        )
         self._scripts: list[Any] = []
         register = self._register
         self._apply = register(_APPLY_LUA)
@@ -384,15 +381,29 @@ class RedisPrefixIndex(PrefixIndex):
         """A SCAN/KEYS pattern matching every key of this namespace."""
         return self._prefix.replace("{", "\\{").replace("}", "\\}") + "*"
 
-    @contextmanager
-    def _guard(self, what: str) -> Iterator[None]:
-        try:
-            yield
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-            raise IndexUnavailableError(
-                f"redis prefix index {self.url} (namespace {self.namespace!r}) "
-                f"unavailable during {what}: {type(exc).__name__}: {exc}"
-            ) from exc
+    def _guard(self, what: str) -> AbstractContextManager[None]:
+        return redis_errors(self._describe, what)
+
+    def _skip(self, what: str, raw: object) -> None:
+        """A malformed entry in a reply: logged (rate-limited) and left out."""
+        self._malformed.log(
+            logging.WARNING,
+            what,
+            "%s: skipping a malformed %s: %r",
+            self._describe,
+            what,
+            raw,
+        )
+
+    def _worker_ids(self, raw: Iterable[object], what: str) -> list[str]:
+        ids = []
+        for member in raw:
+            worker_id = _decode_worker_id(member)
+            if worker_id is None:
+                self._skip(what, member)
+            else:
+                ids.append(worker_id)
+        return sorted(ids)
 
     def _run(self, script: Any, *args: object, client: Any = None) -> Any:
         """Run one of our scripts: KEYS = [registry], ARGV = [prefix, *args]."""
@@ -419,12 +430,12 @@ class RedisPrefixIndex(PrefixIndex):
         with self._guard("apply"):
             for group in _groups(pieces, limit):
                 if len(group) == 1:
-                    replies.append(_RESULTS[self._run(self._apply, *self._apply_args(group[0][1]))])
+                    replies.append(_result(self._run(self._apply, *self._apply_args(group[0][1]))))
                     continue
                 pipe = self._redis.pipeline(transaction=False)
                 for _, piece in group:
                     self._run(self._apply, *self._apply_args(piece), client=pipe)
-                replies.extend(_RESULTS[r] for r in pipe.execute())
+                replies.extend(_result(r) for r in pipe.execute())
         results: list[list[ApplyResult]] = [[] for _ in batches]
         for (i, _), reply in zip(pieces, replies, strict=True):
             results[i].append(reply)
@@ -475,7 +486,7 @@ class RedisPrefixIndex(PrefixIndex):
             dead, _, left = self._run(self._reap, limit)
             while left > 0:
                 left = self._run(self._drain, limit)
-        return sorted(w.decode() for w in dead)
+        return self._worker_ids(dead, "worker id")
 
     # -- reads ----------------------------------------------------------------
 
@@ -483,20 +494,34 @@ class RedisPrefixIndex(PrefixIndex):
         keys = [self._registry, *(self.hash_key(check_hash(h)) for h in block_hashes)]
         with self._guard("match"):
             flat = self._match(keys=keys, args=[self._prefix])
-        return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        counts = {}
+        for raw, n in zip(flat[::2], flat[1::2], strict=True):
+            worker_id = _decode_worker_id(raw)
+            if worker_id is None:
+                self._skip("worker id", raw)
+            else:
+                counts[worker_id] = int(n)  # the script's own integer
+        return counts
 
     def workers(self) -> list[str]:
         with self._guard("workers"):
             _, live, _ = self._run(self._reap, self.max_hashes_per_call)
         # The script removed every registered worker without an alive: key, so the
         # rest of the registry is the live set.
-        return sorted(w.decode() for w in live)
+        return self._worker_ids(live, "worker id")
 
     def worker_hashes(self, worker_id: str) -> set[bytes]:
         check_worker_id(worker_id)
         with self._guard("worker_hashes"):
             members = self._redis.smembers(self.worker_key(worker_id))
-        return {bytes.fromhex(m.decode()) for m in members}
+        hashes = set()
+        for member in members:
+            block_hash = _decode_hash(member)
+            if block_hash is None:
+                self._skip("block hash", member)
+            else:
+                hashes.add(block_hash)
+        return hashes
 
     def worker_state(self, worker_id: str) -> WorkerIndexState | None:
         check_worker_id(worker_id)
@@ -504,7 +529,12 @@ class RedisPrefixIndex(PrefixIndex):
             nxt, resync = self._redis.hmget(f"{self._prefix}m:{worker_id}", "next", "resync")
         if nxt is None:
             return None
-        return WorkerIndexState(int(nxt), resync == b"1")
+        try:
+            return WorkerIndexState(int(nxt), resync == b"1")
+        except ValueError as exc:
+            raise IndexUnavailableError(
+                f"{self._describe}: malformed state of worker {worker_id!r}: {nxt!r}"
+            ) from exc
 
     def is_available(self) -> bool:
         try:
@@ -516,6 +546,32 @@ class RedisPrefixIndex(PrefixIndex):
 
     def close(self) -> None:
         self._redis.close()
+
+
+def _decode_worker_id(raw: object) -> str | None:
+    """A worker id from a reply, or None if it is not one (not UTF-8, not a valid id)."""
+    try:
+        return check_worker_id(raw.decode() if isinstance(raw, bytes) else raw)
+    except (UnicodeDecodeError, TypeError, ValueError):
+        return None
+
+
+def _decode_hash(raw: object) -> bytes | None:
+    """A block hash from its stored hex, or None if it is not one."""
+    try:
+        block_hash = bytes.fromhex(raw.decode())  # type: ignore[union-attr]
+    except (AttributeError, UnicodeDecodeError, ValueError):
+        return None
+    return block_hash if len(block_hash) == HASH_SIZE else None
+
+
+def _result(reply: object) -> ApplyResult:
+    """An apply script's reply; anything else means the index state is not ours: resync."""
+    result = _RESULTS.get(reply)  # type: ignore[call-overload]
+    if result is None:
+        logger.warning("redis prefix index: unexpected apply reply %r; resyncing", reply)
+        return ApplyResult.GAP
+    return result
 
 
 def _groups(pieces: list[tuple[int, EventBatch]], limit: int) -> Iterator[list]:

@@ -57,6 +57,11 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def import_pin_id(request_id: str) -> str:
+    """The pin holding an imported request's blocks while its K/V is written."""
+    return f"{request_id}#import"
+
+
 @dataclass(frozen=True)
 class ImportPlan:
     """Where an imported request's prompt K/V must be written (see reserve_import)."""
@@ -487,6 +492,18 @@ class LLMEngine:
             n,
         )
 
+    def pin_held(self, request_id: str, pin_id: str) -> tuple[list[int], list[bytes], int]:
+        """held_blocks(request_id), and a pin on those blocks until `unpin(pin_id)`.
+
+        For the exporter, which copies them from another thread: an abort meanwhile
+        (Abort RPC, a failed step) releases the held samples, but the pin keeps the
+        blocks from being reused, and overwritten, until the copy is done.
+        """
+        out = self.held_blocks(request_id)
+        self.block_manager.fork(self.held[request_id][0].seq_id, pin_id)
+        self.pinned.add(pin_id)
+        return out
+
     # -- the decode role: continue a request whose prompt K/V was computed elsewhere ----
 
     def reserve_import(
@@ -524,6 +541,12 @@ class LLMEngine:
         for seq in seqs:
             if generator_states and seq.index in generator_states and seq.generator:
                 seq.generator.set_state(generator_states[seq.index])
+        pin = import_pin_id(request_id)
+        if pin in self.pinned:
+            raise InvalidRequestError(
+                f"request id {request_id!r} is still importing (an earlier request by that "
+                "id was aborted while its KV was being written): retry shortly"
+            )
         self.requests[request_id] = req
         self._touched[request_id] = req  # the first tokens go out with the next step
         bm = self.block_manager
@@ -533,28 +556,39 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.add(seq)
             return ImportPlan([], 0, 0, recompute=True)
-        head = seqs[0]
-        local = bm.allocate(head.seq_id, ids, cache_salt)
-        for seq in seqs[1:]:
-            bm.fork(head.seq_id, seq.seq_id)
+        # The blocks are allocated under a pin that only the writer's commit_import or
+        # cancel_import releases, and each sample forks from it. The writer fills them
+        # from another thread: an abort meanwhile (client cancel, deadline, Abort RPC,
+        # a failed step) frees the samples, but the blocks stay pinned until the writer
+        # is done, so they are never handed to another sequence while being written.
+        local = bm.allocate(pin, ids, cache_salt)
+        self.pinned.add(pin)
+        for seq in seqs:
+            bm.fork(pin, seq.seq_id)
         first = local // bm.block_size
-        plan = ImportPlan(bm.block_table(head.seq_id)[first:], first, local, recompute=False)
+        plan = ImportPlan(bm.block_table(pin)[first:], first, local, recompute=False)
         for seq in seqs:  # may finish (and free) samples whose first token ends them
             lp = (first_logprobs or {}).get(seq.index)
             self._append_token(seq, first_tokens[seq.index], lp)
         live = [s for s in seqs if not s.is_finished]
         if not live:
+            self.unpin(pin)  # nothing will be written
             return ImportPlan([], 0, local, recompute=False)
         self.importing[request_id] = live
         return plan
 
     def commit_import(self, request_id: str) -> None:
-        """The imported K/V is in place: the samples join the running batch."""
+        """The imported K/V is in place: the samples join the running batch.
+
+        A request aborted during its import has no samples left: its blocks, never
+        marked computed (so never cached), return to the pool with the pin.
+        """
         seqs = self.importing.pop(request_id, [])
         for seq in seqs:
             seq.num_computed_tokens = seq.num_prompt_tokens
             self.block_manager.mark_computed(seq.seq_id, seq.num_prompt_tokens)
             self.scheduler.add_running(seq)
+        self.unpin(import_pin_id(request_id))
 
     # -- cross-worker prefix reuse -------------------------------------------------------
     #
@@ -599,13 +633,18 @@ class LLMEngine:
         self.unpin(pin_id)
 
     def cancel_import(self, request_id: str, recompute: bool) -> None:
-        """The import failed: recompute the prompt here, or drop the request."""
+        """The import failed or was abandoned: recompute the prompt here, or drop the request.
+
+        Also ends the writer's pin (see reserve_import): call it only once nothing
+        writes into the plan's blocks any more.
+        """
         seqs = self.importing.pop(request_id, [])
         for seq in seqs:
             self.block_manager.free(seq.seq_id)
             if recompute:
                 seq.num_computed_tokens = 0
                 self.scheduler.add(seq)
+        self.unpin(import_pin_id(request_id))
         if not recompute:
             self.abort_request(request_id)
 

@@ -13,6 +13,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
 from pagedserve.common.engine import LLMEngine
@@ -33,6 +34,65 @@ class RequestFailed(EngineFailure):
     def __init__(self, error: RequestError) -> None:
         super().__init__(error.message)
         self.error = error
+
+
+class EngineBusy(TimeoutError):
+    """The engine loop did not run a command in time; see `EngineLoop.call`."""
+
+
+class _Command:
+    """One `EngineLoop.call`: runs on the loop thread unless its caller gave up first.
+
+    States: pending -> running -> done, or abandoned (by the caller, on timeout) before
+    or while it runs. The lock makes "the caller gave up" and "the loop started it"
+    exclusive, so exactly one of: the caller gets the result, the command is skipped,
+    or its result is handed to `on_abandon`.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[LLMEngine], T],
+        on_abandon: Callable[[LLMEngine, T], None] | None,
+    ) -> None:
+        self.fn = fn
+        self.on_abandon = on_abandon
+        self.future: Future = Future()
+        self._lock = threading.Lock()
+        self._state = "pending"
+
+    def run(self, engine: LLMEngine) -> None:
+        with self._lock:
+            if self._state == "abandoned" and self.on_abandon is not None:
+                return  # nobody waits for it, and it would take state: skip it
+            started_abandoned = self._state == "abandoned"
+            self._state = "running"
+        ok, result, error = True, None, None
+        try:
+            result = self.fn(engine)
+        except BaseException as e:  # handed to the caller
+            ok, error = False, e
+        with self._lock:
+            abandoned = started_abandoned or self._state == "abandoned"
+            self._state = "done"
+            if not abandoned:
+                if ok:
+                    self.future.set_result(result)
+                else:
+                    self.future.set_exception(error)
+                return
+        if ok and self.on_abandon is not None:
+            try:
+                self.on_abandon(engine, result)
+            except Exception:
+                logger.exception("undoing an abandoned engine command failed")
+
+    def abandon(self) -> bool:
+        """The caller gives up; False when the result is already there."""
+        with self._lock:
+            if self._state == "done":
+                return False
+            self._state = "abandoned"
+            return True
 
 
 class RequestStream:
@@ -92,23 +152,47 @@ class EngineLoop:
 
     # -- called from any thread ---------------------------------------------------
 
-    def call(self, fn: Callable[[LLMEngine], T], timeout: float | None = 30.0) -> T:
-        """Runs fn(engine) on the loop thread and returns its result (or raises its error)."""
-        fut: Future[T] = Future()
+    def call(
+        self,
+        fn: Callable[[LLMEngine], T],
+        timeout: float | None = 30.0,
+        *,
+        on_abandon: Callable[[LLMEngine, T], None] | None = None,
+    ) -> T:
+        """Runs fn(engine) on the loop thread and returns its result (or raises its error).
 
-        def run() -> None:
-            try:
-                fut.set_result(fn(self.engine))
-            except BaseException as e:  # handed to the caller
-                fut.set_exception(e)
+        Raises EngineBusy when `timeout` passes first. The loop cannot be interrupted,
+        so a command may still be queued or running then. A command that takes state
+        (a request, held or importing blocks, a pin) passes `on_abandon`: it then
+        either never runs (the caller gave up before it started) or, if it was already
+        running, `on_abandon(engine, its result)` undoes it on the loop thread right
+        after, so nothing it took outlives a caller that is gone. Without `on_abandon`
+        the command runs anyway: fine for reads, and wanted for releases.
+        """
+        cmd = _Command(fn, on_abandon)
+        self._commands.put(lambda: cmd.run(self.engine))
+        try:
+            return cmd.future.result(timeout)
+        except FutureTimeout:
+            if cmd.abandon():
+                raise EngineBusy(
+                    f"the engine did not run the command within {timeout} s (overloaded or stuck)"
+                ) from None
+            return cmd.future.result()  # it finished just as we gave up
 
-        self._commands.put(run)
-        return fut.result(timeout)
-
-    def submit(self, request_id: str, add: Callable[[LLMEngine], object]) -> RequestStream:
+    def submit(
+        self,
+        request_id: str,
+        add: Callable[[LLMEngine], object],
+        *,
+        timeout: float | None = 30.0,
+        undo: Callable[[LLMEngine], object] | None = None,
+    ) -> RequestStream:
         """Runs add(engine) (which must add `request_id`) and returns the request's stream.
 
-        Errors from `add` (InvalidRequestError, say) are raised here, in the caller.
+        Errors from `add` (InvalidRequestError, say) are raised here, in the caller;
+        EngineBusy after `timeout`, and then the request is never added, or is undone
+        at once: `undo(engine)` (default: abort it; an import passes cancel_import).
         """
         stream = RequestStream(request_id, self)
 
@@ -116,7 +200,14 @@ class EngineLoop:
             add(engine)
             self._streams[request_id] = stream
 
-        self.call(register)
+        def abandoned(engine: LLMEngine, _result: None) -> None:
+            self._streams.pop(request_id, None)
+            if undo is not None:
+                undo(engine)
+            else:
+                engine.abort_request(request_id)
+
+        self.call(register, timeout, on_abandon=abandoned)
         return stream
 
     def abort(self, request_id: str) -> None:

@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import grpc
@@ -28,8 +29,14 @@ from pagedserve.common.prefix_index import IndexPublisher, open_prefix_index
 from pagedserve.common.prefix_index.faults import Backoff, LogLimiter
 from pagedserve.common.prefix_index.remote import RemotePrefixIndex
 from pagedserve.kvtransfer.handle import local_host_id
+from pagedserve.kvtransfer.segment import SHM_DIR, free_bytes, remove_stale_segments
 from pagedserve.kvtransfer.source import KVSource, add_kvtransfer_service
-from pagedserve.kvtransfer.transport import AutoTransport
+from pagedserve.kvtransfer.transport import (
+    AutoTransport,
+    GrpcTransport,
+    LeaseReleaser,
+    ShmTransport,
+)
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -69,6 +76,18 @@ class WorkerConfig:
     index_ttl_s: float = 10.0  # a worker silent this long drops out of the index
     # Prometheus endpoint (common/metrics.py) on `host`: None = none, 0 = any free port.
     metrics_port: int | None = None
+    # Bounds on waiting (races and leaks, see EngineLoop.call and kvtransfer/transport.py):
+    engine_call_timeout_s: float = 30.0  # a handler waiting on the engine loop gives up
+    kv_pull_timeout_s: float = 60.0  # deadline of every KV pull (PullBlocks, prefix import)
+    release_lease_timeout_s: float = 5.0  # deadline of ReleaseLease to an exporter
+    max_peer_channels: int = 32  # open channels to other workers (LRU), per client
+    # KV staging (kvtransfer/source.py). Staged bytes are capped at kv_max_staged_bytes,
+    # None = half the free space of kv_shm_dir when the worker starts (other workers on
+    # the host share it); an export past a cap fails with RESOURCE_EXHAUSTED. Pullers
+    # must use the same kv_shm_dir (it is configurable for tests on a small tmpfs).
+    kv_shm_dir: str = str(SHM_DIR)
+    kv_max_staged_bytes: int | None = None
+    kv_max_open_leases: int = 1024
 
     def __post_init__(self) -> None:
         if self.pool not in POOL_TO_PB:
@@ -77,6 +96,25 @@ class WorkerConfig:
             raise ValueError("heartbeat_interval_s and lease_ttl_s must be > 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535] or None: {self.metrics_port}")
+        for name in ("engine_call_timeout_s", "kv_pull_timeout_s", "release_lease_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_peer_channels < 1 or self.kv_max_open_leases < 1:
+            raise ValueError("max_peer_channels and kv_max_open_leases must be >= 1")
+        if self.kv_max_staged_bytes is not None and self.kv_max_staged_bytes < 1:
+            raise ValueError(
+                f"kv_max_staged_bytes must be >= 1 or None: {self.kv_max_staged_bytes}"
+            )
+
+    def staging_cap_bytes(self) -> int:
+        """kv_max_staged_bytes, or half of kv_shm_dir's free space now (at least 64 MiB)."""
+        if self.kv_max_staged_bytes is not None:
+            return self.kv_max_staged_bytes
+        try:
+            free = free_bytes(Path(self.kv_shm_dir))
+        except OSError:
+            free = 0
+        return max(free // 2, 64 << 20)
 
 
 class WorkerRuntime:
@@ -93,15 +131,31 @@ class WorkerRuntime:
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         self.address = f"{config.advertise_host or config.host}:{self.port}"
         self.host_id = local_host_id()
+        shm_dir = Path(config.kv_shm_dir)
+        if config.kv_transport != "grpc":
+            _remove_stale_segments(shm_dir)
         self.kv_source = KVSource(
             host_id=self.host_id,
             transfer_address=self.address,
             use_shm=config.kv_transport != "grpc",
+            shm_dir=shm_dir,
             default_ttl_s=config.lease_ttl_s,
             on_expire=self._on_lease_expired,
+            max_staged_bytes=config.staging_cap_bytes(),
+            max_open_leases=config.kv_max_open_leases,
         )
         add_kvtransfer_service(self.server, self.kv_source)
-        self.kv_transport = AutoTransport(host_id=self.host_id, mode=config.kv_transport)
+        self.kv_transport = AutoTransport(
+            host_id=self.host_id,
+            mode=config.kv_transport,
+            shm=ShmTransport(shm_dir),
+            grpc_transport=GrpcTransport(
+                timeout_s=config.kv_pull_timeout_s, max_channels=config.max_peer_channels
+            ),
+        )
+        self.lease_releaser = LeaseReleaser(
+            timeout_s=config.release_lease_timeout_s, max_channels=config.max_peer_channels
+        )
         worker_pb2_grpc.add_WorkerStatusServicer_to_server(_StatusServicer(self), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -163,6 +217,8 @@ class WorkerRuntime:
         self.loop.stop()
         self.index_sync.goodbye()
         self.kv_source.close()
+        self.kv_transport.close()
+        self.lease_releaser.close()
 
     # -- status -------------------------------------------------------------------
 
@@ -232,6 +288,20 @@ class WorkerRuntime:
         finally:  # the Redis registry gets its beat even when the router's failed
             if self.registry_publisher is not None:
                 self.registry_publisher.beat(stats.SerializeToString())  # never raises
+
+
+def _remove_stale_segments(shm_dir: Path) -> None:
+    """Segments left in shm_dir by exporters that died (their pid is gone): unlink them.
+
+    At start-up, so a crash loop (Ray restarting a worker) cannot fill /dev/shm.
+    """
+    try:
+        removed = remove_stale_segments(shm_dir)
+    except OSError as e:
+        logger.warning("could not clean stale KV segments in %s: %s", shm_dir, e)
+        return
+    if removed:
+        logger.info("removed %d stale KV segments from %s", len(removed), shm_dir)
 
 
 class _StatusServicer(worker_pb2_grpc.WorkerStatusServicer):

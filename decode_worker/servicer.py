@@ -6,6 +6,11 @@ memory on one host, gRPC chunks across hosts), releases the lease and joins the
 continuous batch. Without one it prefills the prompt itself (conditional
 disaggregation: short prompts, or no prefill worker available).
 
+The pull writes into this engine's blocks from the handler thread, so a cancel,
+deadline or Abort during it must not free them: the engine keeps them pinned until
+the handler commits or cancels the import (engine.reserve_import); the cancel only
+aborts the request on the engine thread and stops the pull at the next chunk.
+
 A failed import (checksum mismatch, broken stream, expired lease) is handled by
 policy: recompute the prompt here (default; the client sees no error) or fail the
 request with UNAVAILABLE.
@@ -15,19 +20,20 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 
 import grpc
 import torch
 
 from pagedserve.common.engine import ImportPlan
-from pagedserve.common.engine_loop import EngineFailure, RequestFailed, RequestStream
+from pagedserve.common.engine_loop import EngineBusy, EngineFailure, RequestFailed, RequestStream
 from pagedserve.common.protocol import delta_to_pb, logprobs_from_pb, sampling_from_pb
 from pagedserve.common.sampling_params import InvalidRequestError
 from pagedserve.common.sequence import Request
 from pagedserve.common.worker import WorkerRuntime
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.sinks import CacheSink
-from pagedserve.kvtransfer.wire import KVTransferError
+from pagedserve.kvtransfer.wire import ChunkHeader, KVSink, KVTransferError
 from pagedserve.prefill_worker.servicer import failure_status, import_prefix, release_lease
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -47,6 +53,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         salt = req.cache_salt or None
         info = worker_pb2.KVImport(transport="local")
         added: list[Request | ImportPlan] = []
+        timeout = self.rt.config.engine_call_timeout_s
         try:
             if request.HasField("kv"):
                 kv = request.kv
@@ -75,6 +82,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                             cached_tokens=kv.cached_tokens,
                         )
                     ),
+                    timeout=timeout,
+                    # Gave up waiting: drop the reservation (blocks, pin) on the loop thread.
+                    undo=lambda e: e.cancel_import(rid, recompute=False),
                 )
             else:
                 if request.HasField("prefix"):
@@ -84,23 +94,47 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     lambda e: added.append(
                         e.add_request(rid, prompt_token_ids=prompt, params=params, cache_salt=salt)
                     ),
+                    timeout=timeout,
                 )
-        except InvalidRequestError as e:
+        except (InvalidRequestError, EngineBusy) as e:
+            if request.HasField("kv") and request.kv.lease_id:  # no import will pull it
+                release_lease(self.rt, request.kv.transfer_address, request.kv.lease_id)
+            if isinstance(e, EngineBusy):
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker busy: {e}")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        context.add_callback(stream.cancel)
+        cancelled = threading.Event()
+
+        def on_rpc_end() -> None:
+            # On gRPC's thread. The abort itself runs on the engine thread, which owns
+            # the blocks; during an import it leaves them pinned until `_import` is done
+            # writing (engine.reserve_import), and `cancelled` stops the pull at the next
+            # chunk.
+            cancelled.set()
+            stream.cancel()
+
+        if not context.add_callback(on_rpc_end):  # the RPC already ended
+            on_rpc_end()
         if request.HasField("kv"):
             plan = added[0]
             assert isinstance(plan, ImportPlan)
-            info = self._import(rid, request, plan, context)
+            info = self._import(rid, request, plan, context, cancelled)
             cached = request.kv.cached_tokens
         else:
             cached = None  # known once the request is admitted: read at the end
         yield from self._stream(rid, len(prompt), stream, info, context, cached, added)
 
-    def _import(self, rid: str, request, plan: ImportPlan, context) -> worker_pb2.KVImport:
+    def _import(
+        self, rid: str, request, plan: ImportPlan, context, cancelled: threading.Event
+    ) -> worker_pb2.KVImport:
+        """Pulls the plan's blocks, then commits (or cancels) the import on the engine thread.
+
+        Every path ends the import with commit_import or cancel_import: they release the
+        pin that keeps the blocks from being reused while this thread writes them.
+        """
         kv = request.kv
         bs = self.rt.engine.block_manager.block_size
         info = worker_pb2.KVImport(transport="none", reused_blocks=plan.local_hit_tokens // bs)
+        loop, timeout = self.rt.loop, self.rt.config.engine_call_timeout_s
         try:
             if plan.recompute:
                 info.transport, info.recomputed = "local", True
@@ -109,30 +143,39 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 return info
             handle = ExportedKV.from_proto(kv, rid)
             wanted = handle.block_ids[plan.first_block : plan.first_block + len(plan.block_ids)]
-            sink = CacheSink(self.rt.engine.kv_cache.kv, plan.block_ids)
-            result = self.rt.kv_transport.pull_into(
-                handle, sink, block_ids=wanted, timeout=context.time_remaining()
-            )
+            sink = StopOnCancel(CacheSink(self.rt.engine.kv_cache.kv, plan.block_ids), cancelled)
+            deadline = min(context.time_remaining(), self.rt.config.kv_pull_timeout_s)
+            try:
+                result = self.rt.kv_transport.pull_into(
+                    handle, sink, block_ids=wanted, timeout=deadline
+                )
+            except BaseException as exc:
+                if not isinstance(exc, (KVTransferError, ValueError, grpc.RpcError)):
+                    loop.call(lambda e: e.cancel_import(rid, recompute=False), timeout)
+                raise
             info.transport = result.transport
             info.pulled_blocks = result.num_blocks
             info.pulled_bytes = result.payload_bytes
-            self.rt.loop.call(lambda e: e.commit_import(rid))
+            loop.call(lambda e: e.commit_import(rid), timeout)
         except (KVTransferError, ValueError, grpc.RpcError) as exc:
             e = f"{type(exc).__name__}: {exc}"
             fail = request.on_transfer_failure == worker_pb2.TRANSFER_FAILURE_POLICY_FAIL or (
                 request.on_transfer_failure == worker_pb2.TRANSFER_FAILURE_POLICY_UNSPECIFIED
                 and self.rt.config.transfer_failure_policy == "fail"
             )
-            logger.warning(
-                "KV import of %s failed (%s): %s", rid, "fail" if fail else "recompute", e
-            )
-            self.rt.loop.call(lambda eng: eng.cancel_import(rid, recompute=not fail))
+            if cancelled.is_set():
+                logger.info("KV import of %s stopped: the request ended (%s)", rid, e)
+            else:
+                logger.warning(
+                    "KV import of %s failed (%s): %s", rid, "fail" if fail else "recompute", e
+                )
+            loop.call(lambda eng: eng.cancel_import(rid, recompute=not fail), timeout)
             if fail:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"KV import failed: {e}")
             info.transport, info.recomputed, info.error = "local", True, e
         finally:
             if kv.lease_id:
-                release_lease(kv.transfer_address, kv.lease_id)
+                release_lease(self.rt, kv.transfer_address, kv.lease_id)
         return info
 
     def _stream(self, rid, prompt_len, stream: RequestStream, info, context, cached, added):
@@ -158,6 +201,33 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 yield step
 
     def Abort(self, request, context):  # noqa: N802
-        known = self.rt.loop.call(lambda e: request.request_id in e.requests)
+        # Safe during an import: the blocks stay pinned until `_import` is done writing.
+        known = self.rt.loop.call(
+            lambda e: request.request_id in e.requests, self.rt.config.engine_call_timeout_s
+        )
         self.rt.loop.abort(request.request_id)
         return worker_pb2.AbortResponse(aborted=known)
+
+
+class StopOnCancel:
+    """A sink that refuses further chunks once its request ended (a chunk-boundary stop).
+
+    Stops a pull whose request was cancelled or timed out early; the blocks are not
+    freed until the pull returned (see DecodeServicer._import), whatever this does.
+    """
+
+    def __init__(self, sink: KVSink, cancelled: threading.Event) -> None:
+        self.sink = sink
+        self.cancelled = cancelled
+
+    def bind(self, header: ChunkHeader) -> None:
+        self._check()
+        self.sink.bind(header)
+
+    def write_units(self, unit_start: int, data: torch.Tensor) -> None:
+        self._check()
+        self.sink.write_units(unit_start, data)
+
+    def _check(self) -> None:
+        if self.cancelled.is_set():
+            raise KVTransferError("the request ended (cancelled or past its deadline)")

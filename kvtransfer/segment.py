@@ -141,12 +141,15 @@ def parse_segment(buf: memoryview) -> SegmentView:
 def create_shm(path: Path, size: int) -> mmap.mmap:
     """A new read-write shared mapping of `size` bytes backed by file `path` (must not exist).
 
-    MAP_POPULATE faults every page in at once: far cheaper than one fault per 4 KiB
-    page while the payload is written.
+    The file's pages are allocated up front (posix_fallocate): on a full tmpfs that
+    fails here with OSError (ENOSPC), where a sparse file (ftruncate) would map fine
+    and then kill the process with SIGBUS at the first write to a page tmpfs cannot
+    back. MAP_POPULATE then faults every page in at once: far cheaper than one fault
+    per 4 KiB page while the payload is written.
     """
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -177,6 +180,12 @@ def open_shm(path: Path) -> mmap.mmap:
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def free_bytes(shm_dir: Path = SHM_DIR) -> int:
+    """Bytes an unprivileged writer can still allocate in `shm_dir`'s filesystem."""
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
 
 
 def list_segments(shm_dir: Path = SHM_DIR) -> list[str]:

@@ -21,6 +21,14 @@ the segment header after copying, see segment.py). Segments of an exporter that 
 without closing are found by `segment.remove_stale_segments` (the name carries the
 pid); an exporter unlinks its own segments at interpreter exit.
 
+Staging is bounded: at most `max_open_leases` leases and `max_staged_bytes` staged
+(the worker derives the byte cap from /dev/shm's free space at start-up); an export
+past either raises `StagingFullError` (the Prefill servicer answers RESOURCE_EXHAUSTED)
+after first ending leases past their expiry. A new /dev/shm segment is created only
+if the filesystem has room, with its pages allocated up front (segment.create_shm);
+when /dev/shm is full the lease is staged in private memory instead and pullers use
+gRPC (`handle.shm_name` is empty), so a full tmpfs never ends in SIGBUS.
+
 `add_kvtransfer_service(server, source)` registers `pagedserve.v1.KVTransfer` on a
 gRPC server (sync, or grpc.aio with a migration thread pool: the handler is a plain
 generator).
@@ -28,7 +36,9 @@ generator).
 
 from __future__ import annotations
 
+import errno
 import itertools
+import logging
 import os
 import re
 import threading
@@ -51,6 +61,7 @@ from pagedserve.kvtransfer.segment import (
     SegmentLayout,
     SegmentView,
     create_shm,
+    free_bytes,
     parse_segment,
     segment_name,
 )
@@ -74,6 +85,7 @@ from pagedserve.kvtransfer.wire import (
 )
 from pagedserve.v1 import kvtransfer_pb2
 
+logger = logging.getLogger(__name__)
 _LEASE_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 SERVICE_NAME = "pagedserve.v1.KVTransfer"
 _MIB = 1 << 20
@@ -179,7 +191,18 @@ class KVSource:
         reuse_grace_s: float = 5.0,
         on_expire: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_staged_bytes: int | None = None,
+        max_open_leases: int | None = None,
     ) -> None:
+        """max_staged_bytes, max_open_leases: caps on what open leases hold (None: no cap);
+        an export beyond them raises StagingFullError. The pool (`pool_bytes`) is apart.
+        """
+        for name, cap in (
+            ("max_staged_bytes", max_staged_bytes),
+            ("max_open_leases", max_open_leases),
+        ):
+            if cap is not None and cap < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {cap}")
         if default_ttl_s <= 0:
             raise ValueError(f"default_ttl_s must be > 0, got {default_ttl_s}")
         if pool_bytes < 0 or reuse_grace_s < 0:
@@ -200,7 +223,12 @@ class KVSource:
         self.on_expire = on_expire
         self.clock = clock
         self.expired_total = 0
+        self.max_staged_bytes = max_staged_bytes
+        self.max_open_leases = max_open_leases
+        self.refused_total = 0  # exports refused at a cap
+        self.private_fallbacks = 0  # exports staged privately: /dev/shm had no room
         self._leases: dict[str, StagedBlocks] = {}
+        self._staging: dict[str, int] = {}  # leases being staged: bytes reserved
         self._pool: list[_Buffer] = []
         self._lock = threading.Lock()
         self._names = itertools.count()
@@ -248,12 +276,50 @@ class KVSource:
                 f"(expected {(len(ids) - 1) * bs + 1}..{len(ids) * bs})"
             )
         with self._lock:
-            if lease_id in self._leases:
+            if lease_id in self._leases or lease_id in self._staging:
                 raise ValueError(f"lease {lease_id!r} is already open")
-        staged = self._stage(kv, layout, ids, num_tokens, request_id, lease_id, ttl)
+        try:
+            staged = self._stage(kv, layout, ids, num_tokens, request_id, lease_id, ttl)
+        finally:
+            with self._lock:
+                self._staging.pop(lease_id, None)
         with self._lock:
             self._leases[lease_id] = staged
         return staged.handle
+
+    def _admit(self, lease_id: str, size: int) -> None:
+        """Reserve room for a lease staging `size` bytes, or raise StagingFullError.
+
+        Leases past their expiry are ended first: they would go at the next expire().
+        """
+        problem = ""
+        for attempt in range(2):
+            with self._lock:
+                if lease_id in self._staging or lease_id in self._leases:
+                    raise ValueError(f"lease {lease_id!r} is already open")
+                problem = self._over_cap(size)
+                if not problem:
+                    self._staging[lease_id] = size
+                    return
+            if attempt == 0:
+                self.expire()
+        self.refused_total += 1
+        raise StagingFullError(
+            f"KV staging is full: {problem}; retry when leases are released or expire"
+        )
+
+    def _over_cap(self, size: int) -> str:
+        """Why a new lease of `size` bytes does not fit now ("" if it does); lock held."""
+        leases = len(self._leases) + len(self._staging)
+        if self.max_open_leases is not None and leases >= self.max_open_leases:
+            return f"{leases} leases open, at most {self.max_open_leases}"
+        held = sum(s.buffer.capacity for s in self._leases.values()) + sum(self._staging.values())
+        if self.max_staged_bytes is not None and held + size > self.max_staged_bytes:
+            return (
+                f"{held} bytes staged, this lease needs {size} more, at most "
+                f"{self.max_staged_bytes}"
+            )
+        return ""
 
     def _stage(self, kv, layout, ids, num_tokens, request_id, lease_id, ttl) -> StagedBlocks:
         headers = chunk_headers(
@@ -272,6 +338,7 @@ class KVSource:
         )
         payload_len = headers[0].num_units * headers[0].unit_bytes
         seg = SegmentLayout.plan(header_size(request_id, len(ids)), len(headers), payload_len)
+        self._admit(lease_id, _capacity(seg.total_len))
         buf = self._take_buffer(seg.total_len)
         try:
             flat = buf.flat
@@ -331,10 +398,28 @@ class KVSource:
                 self._pool.remove(buf)
                 buf.generation += 1
                 return buf
-        capacity = -(-size // _MIB) * _MIB
-        if not self.use_shm:
-            tensor = torch.empty(capacity, dtype=torch.uint8)
-            return _Buffer(memoryview(tensor.numpy()), capacity, None, tensor)
+        capacity = _capacity(size)
+        if self.use_shm:
+            try:
+                return self._new_shm_buffer(capacity)
+            except OSError as e:  # no room in /dev/shm: private memory, served over gRPC
+                self.private_fallbacks += 1
+                logger.warning("staging %d bytes privately (gRPC pulls only): %s", capacity, e)
+        tensor = torch.empty(capacity, dtype=torch.uint8)
+        return _Buffer(memoryview(tensor.numpy()), capacity, None, tensor)
+
+    def _new_shm_buffer(self, capacity: int) -> _Buffer:
+        """A new /dev/shm segment; OSError when the filesystem has no room for it.
+
+        Checked twice: free space first (cheap, and leaves other users their share),
+        then create_shm allocates every page (posix_fallocate), so a tmpfs filled by
+        someone else in between fails here too, never with SIGBUS on a write later.
+        """
+        free = free_bytes(self.shm_dir)
+        if free < capacity:
+            raise OSError(
+                errno.ENOSPC, f"{self.shm_dir} has {free} bytes free, a segment needs {capacity}"
+            )
         path = self._pool_path()
         self._paths.add(path)
         try:
@@ -447,6 +532,15 @@ class KVSource:
         if self.on_expire is not None:
             for lid in lease_ids:
                 self.on_expire(lid)
+
+
+class StagingFullError(RuntimeError):
+    """An export refused: the source's cap on open leases or staged bytes is reached."""
+
+
+def _capacity(size: int) -> int:
+    """Staging buffers come in whole MiB (so the pool can reuse them)."""
+    return -(-size // _MIB) * _MIB
 
 
 def _gather_and_seal(

@@ -17,6 +17,11 @@ Two implementations:
   the chunks and copies straight into the sink: one copy, no exporter involvement.
 - `GrpcTransport`: any host. Streams `KVTransfer.PullBlocks` from the exporter's
   address, chunk by chunk, each verified and written into the sink as it arrives.
+Every gRPC pull has a deadline (`GrpcTransport.timeout_s`, the caller's if shorter),
+so a hung exporter cannot hold the puller's thread, and the blocks it writes into,
+forever; channels are kept per exporter address in an LRU `ChannelCache` (workers
+restart on new ports). `LeaseReleaser` sends ReleaseLease the same way: a few shared
+threads, a deadline per call.
 `AutoTransport` picks per handle with `choose_transport` (shared memory when both
 sides have the same host id and the exporter staged in /dev/shm, gRPC otherwise, or
 forced by `mode`), and falls back to gRPC when the segment is not visible here.
@@ -24,9 +29,13 @@ forced by `mode`), and falls back to gRPC when the segment is not visible here.
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -52,10 +61,17 @@ from pagedserve.kvtransfer.wire import (
     unframe_kvchunk,
     verify,
 )
-from pagedserve.v1 import kvtransfer_pb2
+from pagedserve.v1 import kvtransfer_pb2, worker_pb2
 
 TransportKind = Literal["shm", "grpc"]
 MODES = ("auto", "shm", "grpc")
+logger = logging.getLogger(__name__)
+# Internal RPCs get bounded deadlines by default, so that a peer that never answers
+# cannot hold a thread (and the blocks it writes into) forever. Workers configure them
+# (WorkerConfig.kv_pull_timeout_s, release_lease_timeout_s).
+DEFAULT_PULL_TIMEOUT_S = 60.0
+DEFAULT_RELEASE_TIMEOUT_S = 5.0
+DEFAULT_MAX_CHANNELS = 32
 
 
 def choose_transport(local_host_id: str, remote_host_id: str, mode: str = "auto") -> TransportKind:
@@ -238,26 +254,31 @@ class GrpcTransport(KVTransport):
     name = "grpc"
 
     def __init__(
-        self, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, overlap: bool | None = None
+        self,
+        *,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        overlap: bool | None = None,
+        timeout_s: float | None = DEFAULT_PULL_TIMEOUT_S,
+        max_channels: int = DEFAULT_MAX_CHANNELS,
     ) -> None:
+        """timeout_s: deadline of every pull (a caller's shorter timeout wins), so a
+        hung exporter cannot hold the puller's thread and blocks; None = the caller's.
+        max_channels: open channels kept, one per exporter address, LRU."""
         plan_chunks(1, 1, max_chunk_bytes)  # validates the chunk size
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
         self.max_chunk_bytes = max_chunk_bytes
         self.overlap = overlap  # checksums on the helper thread (see ChunkAssembler)
-        self._channels: dict[str, grpc.Channel] = {}
-        self._lock = threading.Lock()
-
-    def _pull_blocks(self, address: str):
-        with self._lock:
-            channel = self._channels.get(address)
-            if channel is None:
-                limit = MAX_CHUNK_BYTES_LIMIT + (1 << 20)  # largest chunk plus its header
-                options = [("grpc.max_receive_message_length", limit)]
-                channel = self._channels[address] = grpc.insecure_channel(address, options=options)
-        return channel.unary_stream(
-            f"/{SERVICE_NAME}/PullBlocks",
-            request_serializer=kvtransfer_pb2.PullRequest.SerializeToString,
-            response_deserializer=None,  # raw KVChunk bytes, unframed by hand (wire.py)
+        self.timeout_s = timeout_s
+        limit = MAX_CHUNK_BYTES_LIMIT + (1 << 20)  # largest chunk plus its header
+        self.channels = ChannelCache(
+            max_channels, options=[("grpc.max_receive_message_length", limit)]
         )
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        if timeout is None or self.timeout_s is None:
+            return timeout if timeout is not None else self.timeout_s
+        return min(timeout, self.timeout_s)
 
     def pull_into(self, handle, sink, block_ids=None, layers=None, *, timeout=None) -> PullResult:
         spec = request_spec(handle, block_ids, layers)
@@ -270,18 +291,24 @@ class GrpcTransport(KVTransport):
             max_chunk_bytes=self.max_chunk_bytes,
         )
         asm = ChunkAssembler(sink, spec, overlap=self.overlap)
-        stream = self._pull_blocks(handle.transfer_address)(request, timeout=timeout)
-        try:
-            for message in stream:
-                asm.add(*unframe_kvchunk(message))
-            first = asm.finish()
-        except grpc.RpcError as e:
-            asm.abort()
-            raise _rpc_error(e, handle) from None
-        except BaseException:
-            stream.cancel()  # stop the sender: a bad chunk ends the transfer
-            asm.abort()
-            raise
+        with self.channels.use(handle.transfer_address) as channel:
+            pull_blocks = channel.unary_stream(
+                f"/{SERVICE_NAME}/PullBlocks",
+                request_serializer=kvtransfer_pb2.PullRequest.SerializeToString,
+                response_deserializer=None,  # raw KVChunk bytes, unframed by hand (wire.py)
+            )
+            stream = pull_blocks(request, timeout=self._deadline(timeout))
+            try:
+                for message in stream:
+                    asm.add(*unframe_kvchunk(message))
+                first = asm.finish()
+            except grpc.RpcError as e:
+                asm.abort()
+                raise _rpc_error(e, handle) from None
+            except BaseException:
+                stream.cancel()  # stop the sender: a bad chunk ends the transfer
+                asm.abort()
+                raise
         return PullResult(
             "grpc",
             first.num_blocks,
@@ -292,10 +319,144 @@ class GrpcTransport(KVTransport):
         )
 
     def close(self) -> None:
+        self.channels.close()
+
+
+class ChannelCache:
+    """Open gRPC channels by address, at most `max_channels`, least recently used evicted.
+
+    Peers come and go (Ray restarts a worker on a new port), so a map that only grows
+    would keep a channel, and its reconnect attempts, per dead address forever. An
+    evicted channel is closed at once, or when its last user is done with it (closing
+    a channel cancels its calls in flight).
+    """
+
+    def __init__(self, max_channels: int = 32, options: list | None = None) -> None:
+        if max_channels < 1:
+            raise ValueError(f"max_channels must be >= 1, got {max_channels}")
+        self.max_channels = max_channels
+        self.options = options or []
+        self._open: OrderedDict[str, _Channel] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
         with self._lock:
-            for channel in self._channels.values():
-                channel.close()
-            self._channels.clear()
+            return len(self._open)
+
+    def addresses(self) -> list[str]:
+        """Cached addresses, least recently used first."""
+        with self._lock:
+            return list(self._open)
+
+    @contextmanager
+    def use(self, address: str) -> Iterator[grpc.Channel]:
+        """The channel to `address` (opened if needed), kept open while in the block."""
+        with self._lock:
+            entry = self._open.get(address)
+            if entry is None:
+                entry = self._open[address] = _Channel(
+                    grpc.insecure_channel(address, options=self.options)
+                )
+            self._open.move_to_end(address)
+            entry.users += 1
+            while len(self._open) > self.max_channels:
+                _, evicted = self._open.popitem(last=False)
+                evicted.evicted = True
+                if not evicted.users:
+                    evicted.channel.close()
+        try:
+            yield entry.channel
+        finally:
+            with self._lock:
+                entry.users -= 1
+                close = entry.evicted and not entry.users
+            if close:
+                entry.channel.close()
+
+    def close(self) -> None:
+        with self._lock:
+            entries = list(self._open.values())
+            self._open.clear()
+        for entry in entries:
+            entry.channel.close()
+
+
+@dataclass
+class _Channel:
+    channel: grpc.Channel
+    users: int = 0
+    evicted: bool = False
+
+
+class LeaseReleaser:
+    """Sends ReleaseLease to exporters off the request path, on a few shared threads.
+
+    Best effort (a lease nobody releases expires): every call has a deadline, so a
+    hung exporter costs one thread for `timeout_s` at most, and at most `max_pending`
+    releases wait; beyond that they are dropped (logged) rather than queued without
+    bound. Channels come from an LRU `ChannelCache`.
+    """
+
+    METHOD = "/pagedserve.v1.Prefill/ReleaseLease"
+
+    def __init__(
+        self,
+        *,
+        timeout_s: float = DEFAULT_RELEASE_TIMEOUT_S,
+        max_threads: int = 4,
+        max_pending: int = 1024,
+        max_channels: int = DEFAULT_MAX_CHANNELS,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self.max_pending = max_pending
+        self.channels = ChannelCache(max_channels)
+        self._executor = ThreadPoolExecutor(max_threads, thread_name_prefix="release-lease")
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    def release(self, address: str, lease_id: str) -> Future[grpc.StatusCode]:
+        """Asks `address` to end `lease_id`; the future holds the call's status code."""
+        with self._lock:
+            if self._pending >= self.max_pending:
+                logger.warning("dropping release of lease %s: too many pending", lease_id)
+                done: Future[grpc.StatusCode] = Future()
+                done.set_result(grpc.StatusCode.RESOURCE_EXHAUSTED)
+                return done
+            self._pending += 1
+        try:
+            return self._executor.submit(self._release, address, lease_id)
+        except RuntimeError:  # closed: the worker is shutting down
+            with self._lock:
+                self._pending -= 1
+            done = Future()
+            done.set_result(grpc.StatusCode.CANCELLED)
+            return done
+
+    def _release(self, address: str, lease_id: str) -> grpc.StatusCode:
+        try:
+            with self.channels.use(address) as channel:
+                call = channel.unary_unary(
+                    self.METHOD,
+                    request_serializer=worker_pb2.ReleaseLeaseRequest.SerializeToString,
+                    response_deserializer=worker_pb2.ReleaseLeaseResponse.FromString,
+                )
+                call(worker_pb2.ReleaseLeaseRequest(lease_id=lease_id), timeout=self.timeout_s)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            logger.info("releasing lease %s at %s failed: %s", lease_id, address, e.code())
+            return e.code()
+        except ValueError as e:  # the channel was closed under us (shutdown)
+            logger.info("releasing lease %s at %s failed: %s", lease_id, address, e)
+            return grpc.StatusCode.CANCELLED
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.channels.close()
 
 
 def _rpc_error(e: grpc.RpcError, handle: ExportedKV) -> KVTransferError:

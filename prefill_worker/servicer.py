@@ -13,19 +13,20 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import uuid
+from concurrent.futures import Future
 
 import grpc
 
 from pagedserve.common.engine import LLMEngine
-from pagedserve.common.engine_loop import EngineFailure, RequestFailed
+from pagedserve.common.engine_loop import EngineBusy, EngineFailure, RequestFailed
 from pagedserve.common.protocol import logprobs_to_pb, sampling_from_pb
 from pagedserve.common.sampling_params import InvalidRequestError
 from pagedserve.common.sequence import ErrorKind, FinishReason, Request, RequestError, SampleDelta
 from pagedserve.common.worker import WorkerRuntime
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.sinks import CacheSink
+from pagedserve.kvtransfer.source import StagingFullError
 from pagedserve.kvtransfer.wire import KVTransferError
 from pagedserve.v1 import kvtransfer_pb2, worker_pb2, worker_pb2_grpc
 
@@ -75,10 +76,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         req = request.request
         rid = req.request_id
         params = sampling_from_pb(req.sampling)
+        timeout = self.rt.config.engine_call_timeout_s
         if request.HasField("prefix"):
             import_prefix(self.rt, rid, request.prefix, list(req.prompt_token_ids), req.cache_salt)
         added: list[Request] = []
         try:
+            # A submit that times out is never added, or aborted at once (EngineLoop.call):
+            # no prefill-only request is left holding blocks nobody will release.
             stream = self.rt.loop.submit(
                 rid,
                 lambda e: added.append(
@@ -90,29 +94,31 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                         prefill_only=True,
                     )
                 ),
+                timeout=timeout,
             )
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineBusy as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker busy: {e}")
+        pin = f"{rid}#export"
         try:
             firsts = wait_first_tokens(stream, context)
-            held = self.rt.loop.call(lambda e: _held(e, rid))
+            # The export copies the blocks on this thread: pin them, so that an abort
+            # meanwhile cannot hand them to another sequence before the copy is done.
+            held = self.rt.loop.call(
+                lambda e: _held(e, rid, pin), timeout, on_abandon=lambda e, _h: e.unpin(pin)
+            )
             handle = kvtransfer_pb2.KVHandle()
             if held is not None:
                 table, _hashes, num_tokens, states = held
                 ttl = request.lease_ttl_ms / 1000 if request.HasField("lease_ttl_ms") else None
-                exported = self.rt.kv_source.export(
-                    self.rt.engine.kv_cache.kv,
-                    table,
-                    num_tokens=num_tokens,
-                    request_id=rid,
-                    ttl_s=ttl,
-                )
+                exported = self._export(context, table, num_tokens, rid, ttl)
                 handle = exported.to_proto()
                 handle.block_hashes.extend(_hashes)
             else:  # every sample ended on its first token: nothing to hand over
                 states = {}
-        finally:
-            self.rt.loop.call(lambda e: e.release_held(rid))
+        finally:  # runs even if we time out waiting (a release is wanted late too)
+            self.rt.loop.call(lambda e: (e.release_held(rid), e.unpin(pin)), timeout)
         handle.worker_id = self.rt.config.worker_id
         handle.transfer_address = self.rt.address
         handle.cached_tokens = added[0].num_cached_tokens
@@ -126,24 +132,40 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             handle.first_tokens.append(tok)
         return handle
 
+    def _export(self, context, table: list[int], num_tokens: int, rid: str, ttl: float | None):
+        """Stage blocks under a new lease; RESOURCE_EXHAUSTED when staging is at its cap."""
+        try:
+            return self.rt.kv_source.export(
+                self.rt.engine.kv_cache.kv,
+                table,
+                num_tokens=num_tokens,
+                request_id=rid,
+                ttl_s=ttl,
+            )
+        except StagingFullError as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+
     def ExportPrefix(self, request, context):  # noqa: N802
         """Cross-worker reuse: stage the cached blocks of a prefix for another worker."""
         pin = f"export-{uuid.uuid4().hex}"
         salt = request.cache_salt or None
-        table = self.rt.loop.call(lambda e: e.pin_prefix(pin, list(request.token_ids), salt))
+        timeout = self.rt.config.engine_call_timeout_s
+        try:
+            table = self.rt.loop.call(
+                lambda e: e.pin_prefix(pin, list(request.token_ids), salt),
+                timeout,
+                on_abandon=lambda e, _table: e.unpin(pin),
+            )
+        except EngineBusy as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"worker busy: {e}")
         if not table:
             context.abort(grpc.StatusCode.NOT_FOUND, "no block of this prefix is cached here")
         try:
             ttl = request.lease_ttl_ms / 1000 if request.HasField("lease_ttl_ms") else None
-            exported = self.rt.kv_source.export(
-                self.rt.engine.kv_cache.kv,
-                table,
-                num_tokens=len(table) * self.rt.engine.block_manager.block_size,
-                request_id=pin,
-                ttl_s=ttl,
-            )
+            bs = self.rt.engine.block_manager.block_size
+            exported = self._export(context, table, len(table) * bs, pin, ttl)
         finally:
-            self.rt.loop.call(lambda e: e.unpin(pin))
+            self.rt.loop.call(lambda e: e.unpin(pin), timeout)
         handle = exported.to_proto()
         handle.worker_id = self.rt.config.worker_id
         handle.transfer_address = self.rt.address
@@ -157,52 +179,57 @@ def import_prefix(rt: WorkerRuntime, rid: str, prefix, prompt: list[int], salt: 
     """Pulls another worker's blocks of the prompt's prefix into this worker's prefix cache.
 
     Best effort: on any failure the blocks are simply computed here. Returns the
-    blocks pulled. The exporter's lease is released either way.
+    blocks pulled. The exporter's lease is released either way. The pull has a
+    deadline (kv_pull_timeout_s): a hung exporter cannot hold the pinned blocks.
     """
     pin = f"{rid}#prefix"
+    timeout = rt.config.engine_call_timeout_s
     try:
         handle = ExportedKV.from_proto(prefix, rid)
         plan = rt.loop.call(
-            lambda e: e.reserve_prefix_import(pin, prompt[: handle.num_tokens], salt or None)
+            lambda e: e.reserve_prefix_import(pin, prompt[: handle.num_tokens], salt or None),
+            timeout,
+            on_abandon=lambda e, _plan: e.unpin(pin),
         )
         if not plan.block_ids:
-            rt.loop.call(lambda e: e.unpin(pin))
+            rt.loop.call(lambda e: e.unpin(pin), timeout)
             return 0
         wanted = handle.block_ids[plan.first_block : plan.first_block + len(plan.block_ids)]
-        rt.kv_transport.pull_into(
-            handle, CacheSink(rt.engine.kv_cache.kv, plan.block_ids), block_ids=wanted
-        )
-        rt.loop.call(lambda e: e.commit_prefix_import(pin))
+        try:
+            rt.kv_transport.pull_into(
+                handle,
+                CacheSink(rt.engine.kv_cache.kv, plan.block_ids),
+                block_ids=wanted,
+                timeout=rt.config.kv_pull_timeout_s,
+            )
+        except BaseException:
+            rt.loop.call(lambda e: e.unpin(pin), timeout)  # nothing is cached
+            raise
+        rt.loop.call(lambda e: e.commit_prefix_import(pin), timeout)
         return len(plan.block_ids)
-    except (KVTransferError, ValueError, grpc.RpcError) as e:
+    except (KVTransferError, ValueError, grpc.RpcError, EngineBusy) as e:
         logger.warning("prefix pull for %s failed, computing it here: %s", rid, e)
-        rt.loop.call(lambda e: e.unpin(pin))
         return 0
     finally:
         if prefix.lease_id:
-            release_lease(prefix.transfer_address, prefix.lease_id)
+            release_lease(rt, prefix.transfer_address, prefix.lease_id)
 
 
-def release_lease(address: str, lease_id: str) -> None:
-    """Tell an exporter we are done, off the request's path (best effort: leases expire)."""
+def release_lease(rt: WorkerRuntime, address: str, lease_id: str) -> Future[grpc.StatusCode]:
+    """Tell an exporter we are done, off the request's path (best effort: leases expire).
 
-    def run() -> None:
-        try:
-            with grpc.insecure_channel(address) as ch:
-                worker_pb2_grpc.PrefillStub(ch).ReleaseLease(
-                    worker_pb2.ReleaseLeaseRequest(lease_id=lease_id), timeout=5.0
-                )
-        except grpc.RpcError as e:
-            logger.info("releasing lease %s at %s failed: %s", lease_id, address, e.code())
-
-    threading.Thread(target=run, name="release-lease", daemon=True).start()
+    On the runtime's LeaseReleaser: a few shared threads and cached channels, each
+    call with a deadline (release_lease_timeout_s).
+    """
+    return rt.lease_releaser.release(address, lease_id)
 
 
-def _held(engine: LLMEngine, rid: str):
-    """(block table, hashes, tokens, generator states) of a held request, or None."""
+def _held(engine: LLMEngine, rid: str, pin: str):
+    """(block table, hashes, tokens, generator states) of a held request, its blocks
+    pinned under `pin`; None if nothing is held."""
     if rid not in engine.held:
         return None
-    table, hashes, n = engine.held_blocks(rid)
+    table, hashes, n = engine.pin_held(rid, pin)
     states = {
         s.index: bytes(s.generator.get_state().numpy().tobytes())
         for s in engine.held[rid]

@@ -8,8 +8,12 @@ patterns and bf16 survive too.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
+import subprocess
+import sys
+import textwrap
 from concurrent import futures
 from pathlib import Path
 
@@ -20,13 +24,19 @@ import torch
 from pagedserve.kvtransfer.handle import ExportedKV, KVLayout, local_host_id
 from pagedserve.kvtransfer.segment import (
     SHM_DIR,
+    create_shm,
     list_segments,
     parse_segment,
     remove_stale_segments,
     segment_name,
 )
 from pagedserve.kvtransfer.sinks import CacheSink, TensorSink, spans
-from pagedserve.kvtransfer.source import SERVICE_NAME, KVSource, add_kvtransfer_service
+from pagedserve.kvtransfer.source import (
+    SERVICE_NAME,
+    KVSource,
+    StagingFullError,
+    add_kvtransfer_service,
+)
 from pagedserve.kvtransfer.transport import (
     AutoTransport,
     GrpcTransport,
@@ -778,3 +788,102 @@ def test_no_segment_survives_the_exporter_process(tmp_path):
     assert not (Path(SHM_DIR) / name).exists()
     pid = name.split("-")[2]
     assert not [n for n in list_segments() if n.startswith(f"pagedserve-kv-{pid}-")]
+
+
+# -- staging limits: a full tmpfs, caps on leases and bytes ------------------------------
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 1 MiB tmpfs (needs root: mount), unmounted at teardown."""
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    try:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+            check=True,
+            capture_output=True,
+        )
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"cannot mount a tmpfs here: {e}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_create_shm_on_a_full_tmpfs_raises_enospc(small_tmpfs):
+    """The pages are allocated up front: no sparse file that SIGBUSes at a write later."""
+    with pytest.raises(OSError) as err:
+        create_shm(small_tmpfs / segment_name(os.getpid(), "big"), 2 << 20)
+    assert err.value.errno == errno.ENOSPC
+    assert list(small_tmpfs.iterdir()) == []
+
+
+def test_full_tmpfs_stages_privately_and_serves_every_lease(small_tmpfs):
+    """Exports go on past a full tmpfs: staged privately (served over gRPC) instead.
+
+    Run in a child process: the failure this guards against is a SIGBUS, which would
+    kill the test session.
+    """
+    script = textwrap.dedent(
+        f"""
+        from pathlib import Path
+        import torch
+        from pagedserve.kvtransfer.source import KVSource
+        from pagedserve.kvtransfer.transport import ShmTransport
+        shm = Path({str(small_tmpfs)!r})
+        g = torch.Generator().manual_seed(0)
+        cache = torch.randn(4, 2, 12, 4, 2, 8, generator=g).to(torch.float16)
+        src = KVSource(shm_dir=shm, pool_bytes=0)
+        first = src.export(cache, [1, 2], num_tokens=8)  # 1 MiB: all the tmpfs has
+        rest = [src.export(cache, [i], num_tokens=4) for i in (3, 4)]
+        assert first.shm_name and (shm / first.shm_name).exists()
+        assert [h.shm_name for h in rest] == ["", ""] and src.private_fallbacks == 2
+        assert torch.equal(ShmTransport(shm).pull(first), cache[:, :, [1, 2]])
+        for h, i in zip(rest, (3, 4)):
+            assert torch.equal(src.get(h.lease_id).payload, cache[:, :, [i]])
+        src.close()
+        assert list(shm.iterdir()) == []
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert done.stdout.strip() == "ok"
+
+
+def test_open_leases_are_capped():
+    cache = make_cache(torch.float16)
+    src = KVSource(use_shm=False, max_open_leases=2)
+    try:
+        a = src.export(cache, [1], num_tokens=4)
+        src.export(cache, [2], num_tokens=4)
+        with pytest.raises(StagingFullError, match="2 leases open, at most 2"):
+            src.export(cache, [3], num_tokens=4)
+        assert src.refused_total == 1 and src.open_leases == 2
+        src.release(a.lease_id)
+        src.export(cache, [3], num_tokens=4)
+    finally:
+        src.close()
+
+
+def test_staged_bytes_are_capped_and_expired_leases_make_room():
+    now = [0.0]
+    cache = make_cache(torch.float16)
+    src = KVSource(use_shm=False, max_staged_bytes=1 << 20, clock=lambda: now[0])
+    try:
+        src.export(cache, [1], num_tokens=4, ttl_s=1.0)  # one MiB buffer: the cap
+        with pytest.raises(StagingFullError, match="at most 1048576"):
+            src.export(cache, [2], num_tokens=4)
+        now[0] = 2.0  # the first lease is past its expiry: swept to make room
+        src.export(cache, [2], num_tokens=4)
+        assert src.expired_total == 1 and src.open_leases == 1
+    finally:
+        src.close()
+
+
+@pytest.mark.parametrize("cap", ["max_open_leases", "max_staged_bytes"])
+def test_caps_must_be_positive(cap):
+    with pytest.raises(ValueError, match=cap):
+        KVSource(use_shm=False, **{cap: 0})

@@ -23,6 +23,7 @@ from pagedserve.common.engine import ImportPlan
 from pagedserve.common.engine_loop import EngineFailure, RequestStream
 from pagedserve.common.protocol import delta_to_pb, logprobs_from_pb, sampling_from_pb
 from pagedserve.common.sampling_params import InvalidRequestError
+from pagedserve.common.scheduler import QueueFullError
 from pagedserve.common.sequence import Request
 from pagedserve.common.worker import WorkerRuntime
 from pagedserve.kvtransfer.handle import ExportedKV
@@ -87,6 +88,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 )
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFullError as e:  # overloaded, not a bad request: the router goes elsewhere
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         context.add_callback(stream.cancel)
         if request.HasField("kv"):
             plan = added[0]

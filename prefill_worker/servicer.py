@@ -22,6 +22,7 @@ from pagedserve.common.engine import LLMEngine
 from pagedserve.common.engine_loop import EngineFailure
 from pagedserve.common.protocol import logprobs_to_pb, sampling_from_pb
 from pagedserve.common.sampling_params import InvalidRequestError
+from pagedserve.common.scheduler import QueueFullError
 from pagedserve.common.sequence import FinishReason, Request, SampleDelta
 from pagedserve.common.worker import WorkerRuntime
 from pagedserve.kvtransfer.handle import ExportedKV
@@ -79,6 +80,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             )
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFullError as e:  # overloaded, not a bad request: the router goes elsewhere
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         try:
             firsts = wait_first_tokens(stream, context)
             held = self.rt.loop.call(lambda e: _held(e, rid))

@@ -56,6 +56,13 @@ logger = logging.getLogger(__name__)
 EMBEDDED_NAMESPACE = "embedded"  # one router serves one model: no need to tell them apart
 
 
+def hash_chain(
+    prompt_token_ids: Sequence[int], cache_salt: str | None, model_id: str, block_size: int
+) -> list[bytes]:
+    """The chain a worker would compute for this prompt (pure: safe on any thread)."""
+    return block_hashes(prompt_token_ids[:-1], block_size, model_id, cache_salt)
+
+
 class PrefixLookup:
     def __init__(
         self,
@@ -94,21 +101,33 @@ class PrefixLookup:
                 index.load_scripts()  # type: ignore[attr-defined]  (even the first match: 1 RTT)
         return index
 
-    def chain(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> list[bytes] | None:
-        """The prompt's block hashes as the workers compute them; None before any worker."""
+    def chain_key(self) -> tuple[str, int] | None:
+        """(model id, block size) the workers hash with; None before any worker reported."""
         model_id = self.registry.model_id()
         if model_id is None:
             return None
-        bs = self.registry.block_size()
-        return block_hashes(prompt_token_ids[:-1], bs, model_id, cache_salt)
+        return model_id, self.registry.block_size()
 
-    def match(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> PrefixMatch | None:
+    def chain(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> list[bytes] | None:
+        """The prompt's block hashes as the workers compute them; None before any worker."""
+        key = self.chain_key()
+        return None if key is None else hash_chain(prompt_token_ids, cache_salt, *key)
+
+    def match(
+        self,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str | None,
+        hashes: list[bytes] | None = None,
+    ) -> PrefixMatch | None:
         """Per routable worker, how many leading blocks of the prompt it holds.
 
+        `hashes`: the prompt's chain if the caller computed it already (the router
+        hashes off its event loop, `hash_chain` with `chain_key()`).
         None: no worker has reported its model yet, or the index is unreachable
         (then it is not asked again before `index_retry_s`).
         """
-        hashes = self.chain(prompt_token_ids, cache_salt)
+        if hashes is None:
+            hashes = self.chain(prompt_token_ids, cache_salt)
         if hashes is None or self.clock() < self.retry_at:
             return None
         bs = self.registry.block_size()

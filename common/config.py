@@ -62,8 +62,19 @@ class SchedulerConfig:
     # prefill does not stall every running decode for a whole step.
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # New requests refused (QueueFullError; a worker answers RESOURCE_EXHAUSTED and the
+    # router tries another) while this many sequences wait to be admitted, so a
+    # worker's queue, and the latency of what is in it, cannot grow without bound.
+    # 8 full batches of the default max_num_seqs. Preempted sequences re-enter the
+    # queue regardless (they were admitted once). None = unbounded: the offline `LLM`
+    # submits all its prompts at once.
+    max_num_waiting_seqs: int | None = 1024
 
     def __post_init__(self) -> None:
+        if self.max_num_waiting_seqs is not None and self.max_num_waiting_seqs < 1:
+            raise ConfigError(
+                f"max_num_waiting_seqs must be >= 1 or None, got {self.max_num_waiting_seqs}"
+            )
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

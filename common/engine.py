@@ -215,6 +215,7 @@ class LLMEngine:
         self._check_new_id(request_id)
         ids = self.tokenize(prompt) if prompt is not None else list(prompt_token_ids or [])
         self._validate(ids, params)
+        self.scheduler.check_room()  # QueueFullError: refused before anything is held
         req = Request(request_id, ids, params, cache_salt, prefill_only=prefill_only)
         seq = self._new_sequence(req, 0, list(ids))
         self.requests[request_id] = req
@@ -531,6 +532,7 @@ class LLMEngine:
         self._check_new_id(request_id)
         ids = list(prompt_token_ids)
         self._validate(ids, params)
+        self.scheduler.check_room()  # QueueFullError: refused before anything is held
         if sorted(first_tokens) != list(range(params.n)):
             raise InvalidRequestError(
                 f"an imported request needs the first token of each of its n={params.n} samples"

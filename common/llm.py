@@ -94,6 +94,7 @@ class LLM:
                     max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens,
                     max_model_len=max_model_len,
+                    max_num_waiting_seqs=None,  # every prompt is submitted at once
                 ),
             )
             config = replace(config, **engine_kwargs)  # type: ignore[arg-type]

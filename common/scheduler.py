@@ -17,6 +17,14 @@ from pagedserve.common.config import CacheConfig, SchedulerConfig
 from pagedserve.common.sequence import Sequence, SequenceStatus
 
 
+class QueueFullError(RuntimeError):
+    """A new request was refused: the waiting queue is at `max_num_waiting_seqs`.
+
+    Not the request's fault (unlike InvalidRequestError): the same request fits on
+    a less loaded engine, or here later. Raised before anything was allocated.
+    """
+
+
 @dataclass(frozen=True)
 class ScheduledSeq:
     """One sequence's share of a step: compute tokens [start, start + num_new_tokens)."""
@@ -78,6 +86,20 @@ class Scheduler:
         self._watermark_blocks = int(cache_config.watermark * block_manager.num_blocks)
 
     # -- queue changes ------------------------------------------------------
+
+    def check_room(self) -> None:
+        """Raises QueueFullError when a new request must not join the waiting queue.
+
+        Called by the engine before it records a new request (so a refusal leaves
+        nothing behind); `add` itself never refuses, because preempted sequences and
+        the samples of an accepted request must always find their place.
+        """
+        limit = self.config.max_num_waiting_seqs
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFullError(
+                f"the waiting queue is full ({len(self.waiting)} sequences waiting, "
+                f"max_num_waiting_seqs {limit}): retry later or on another worker"
+            )
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING

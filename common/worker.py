@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.engine import LLMEngine
 from pagedserve.common.engine_loop import EngineLoop
+from pagedserve.common.grpc_options import CHANNEL_OPTIONS, SERVER_OPTIONS
 from pagedserve.common.loader import LoadedModel
 from pagedserve.common.prefix_index import IndexPublisher, open_prefix_index
 from pagedserve.common.prefix_index.faults import Backoff, LogLimiter
@@ -47,11 +48,8 @@ POOL_TO_PB = {
     "decode": worker_pb2.WORKER_POOL_DECODE,
     "colocated": worker_pb2.WORKER_POOL_COLOCATED,
 }
-# KV chunks are <= 1 MiB; prompts of the largest contexts still fit one message.
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
-]
+# Shared with the router and the client (keepalive must agree on both ends).
+GRPC_OPTIONS = CHANNEL_OPTIONS
 
 
 @dataclass(frozen=True)
@@ -124,9 +122,13 @@ class WorkerRuntime:
         self.config = config
         self.engine = LLMEngine(config.engine, loaded)
         self.loop = EngineLoop(self.engine, name=f"engine-{config.worker_id}")
+        # One thread per open call, at most max_rpc_threads; calls beyond that are
+        # answered RESOURCE_EXHAUSTED by gRPC at once instead of queueing without
+        # bound (the router places them on another worker).
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_rpc_threads),
-            options=GRPC_OPTIONS,
+            options=SERVER_OPTIONS,
+            maximum_concurrent_rpcs=config.max_rpc_threads,
         )
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         self.address = f"{config.advertise_host or config.host}:{self.port}"

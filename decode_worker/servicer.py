@@ -29,6 +29,7 @@ from pagedserve.common.engine import ImportPlan
 from pagedserve.common.engine_loop import EngineBusy, EngineFailure, RequestFailed, RequestStream
 from pagedserve.common.protocol import delta_to_pb, logprobs_from_pb, sampling_from_pb
 from pagedserve.common.sampling_params import InvalidRequestError
+from pagedserve.common.scheduler import QueueFullError
 from pagedserve.common.sequence import Request
 from pagedserve.common.worker import WorkerRuntime
 from pagedserve.kvtransfer.handle import ExportedKV
@@ -96,11 +97,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     ),
                     timeout=timeout,
                 )
-        except (InvalidRequestError, EngineBusy) as e:
+        except (InvalidRequestError, EngineBusy, QueueFullError) as e:
             if request.HasField("kv") and request.kv.lease_id:  # no import will pull it
                 release_lease(self.rt, request.kv.transfer_address, request.kv.lease_id)
             if isinstance(e, EngineBusy):
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker busy: {e}")
+            if isinstance(e, QueueFullError):  # overloaded: the router goes elsewhere
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         cancelled = threading.Event()
 

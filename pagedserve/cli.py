@@ -86,13 +86,14 @@ def _sampling(args: argparse.Namespace) -> dict[str, object]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _fail(e, out: TextIO) -> int:
+def _fail(e, out: TextIO, address: str = "") -> int:
     import grpc
 
     if isinstance(e, grpc.RpcError):
-        hint = ""
-        if e.code() == grpc.StatusCode.UNAVAILABLE and "connect" in (e.details() or "").lower():
-            hint = " (is a router running? start one with `pagedserve up`)"
+        from pagedserve.router.client import explain
+
+        hint = explain(e, address)
+        hint = f" ({hint})" if hint else ""
         print(f"\nerror: {e.code().name}: {e.details()}{hint}", file=out)
     else:
         print(f"\nerror: {e}", file=out)
@@ -125,7 +126,7 @@ def generate(args: argparse.Namespace) -> int:
             if args.verbose and last is not None:
                 _print_usage(last, stderr)
         except (grpc.RpcError, ValueError, TypeError) as e:
-            return _fail(e, stderr)
+            return _fail(e, stderr, args.address)
     return 0
 
 
@@ -178,7 +179,7 @@ def chat(args: argparse.Namespace) -> int:
                 stdout.write(" [stopped]")
             except grpc.RpcError as e:
                 history.pop()
-                _fail(e, stderr)
+                _fail(e, stderr, args.address)
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     return 1
                 continue

@@ -22,6 +22,7 @@ from pagedserve.common.engine import LLMEngine
 from pagedserve.common.engine_loop import EngineBusy, EngineFailure, RequestFailed
 from pagedserve.common.protocol import logprobs_to_pb, sampling_from_pb
 from pagedserve.common.sampling_params import InvalidRequestError
+from pagedserve.common.scheduler import QueueFullError
 from pagedserve.common.sequence import ErrorKind, FinishReason, Request, RequestError, SampleDelta
 from pagedserve.common.worker import WorkerRuntime
 from pagedserve.kvtransfer.handle import ExportedKV
@@ -100,6 +101,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineBusy as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker busy: {e}")
+        except QueueFullError as e:  # overloaded, not a bad request: the router goes elsewhere
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         pin = f"{rid}#export"
         try:
             firsts = wait_first_tokens(stream, context)

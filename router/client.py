@@ -12,14 +12,15 @@ choice: the server's INVALID_ARGUMENT says what is wrong (`grpc.RpcError`).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve.common.grpc_options import CHANNEL_OPTIONS
 from pagedserve.common.sequence import FinishReason
-from pagedserve.common.worker import GRPC_OPTIONS
 from pagedserve.v1 import generation_pb2 as gen_pb
 from pagedserve.v1 import generation_pb2_grpc
 
@@ -30,6 +31,41 @@ _FINISH = {
     gen_pb.FINISH_REASON_EOS: FinishReason.EOS,
     gen_pb.FINISH_REASON_ABORT: FinishReason.ABORT,
 }
+
+
+# The router names the worker a failure happened on: "decode worker d0 (host:port): ...".
+_NAMES_WORKER = re.compile(r"\b(?:decode|prefill) worker \S+ \(")
+_CONNECT_FAILED = ("failed to connect", "connection refused", "dns resolution failed")
+
+
+def explain(e: grpc.RpcError, address: str) -> str:
+    """What a failed call's status means for the user, or "" when its message says it.
+
+    Read from the status code and the router's message, never guessed from a word:
+    a worker's failure relayed by a live router mentions connections too.
+    """
+    code, details = e.code(), (e.details() or "")
+    lower = details.lower()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if _NAMES_WORKER.search(details):
+            return (
+                "the router is up; the worker named above failed or became unreachable "
+                "while serving the request: retry"
+            )
+        if details.startswith("no live"):
+            return "the router is up but has no live worker for this request: start workers"
+        if any(s in lower for s in _CONNECT_FAILED):
+            return f"cannot reach the router at {address}: is one running? (`pagedserve up`)"
+        return f"the connection to the router at {address} failed: retry"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "the request's deadline passed before it finished (raise --timeout)"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if "larger than max" in lower:
+            return "the request is larger than the router accepts: shorten it"
+        return "the cluster is at capacity: retry later"
+    if code == grpc.StatusCode.INTERNAL and _NAMES_WORKER.search(details):
+        return "a worker failed while running the request (named above): retry"
+    return ""
 
 
 @dataclass
@@ -99,7 +135,7 @@ class Client:
         """timeout: default deadline of every call in seconds (None = no deadline)."""
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def generate(

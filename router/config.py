@@ -118,8 +118,51 @@ class RouterConfig:
     registry_poll_s: float = 0.25  # how often the Redis worker registry is read
     # Prometheus endpoint (router/metrics.py) on `host`: None = none, 0 = any free port.
     metrics_port: int | None = None
+    # -- bounds on the router's internal calls (router/server.py) --------------------
+    # Every call to a worker ends within its bound even when the client set no
+    # deadline (the client's deadline, when earlier, wins). A Prefill is one prompt's
+    # forward plus its queueing on the worker.
+    prefill_timeout_s: float = 60.0
+    export_timeout_s: float = 5.0  # ExportPrefix only stages cached blocks: quick or broken
+    release_lease_timeout_s: float = 5.0
+    # Decode streams have no total deadline (a long generation is legitimate): a
+    # stream with no message for decode_idle_timeout_s (the worker hangs, or the
+    # link is silently cut) is cancelled; before its first token the request moves
+    # to another worker (once), after it the client's stream ends with UNAVAILABLE
+    # naming the worker. The first message waits for the prompt's prefill, so this
+    # must exceed the longest prefill plus queueing on a loaded worker.
+    decode_idle_timeout_s: float = 30.0
+    # A stream whose worker left the registry (goodbye, missed heartbeats, failed
+    # call) gets only this long after the drop to send its next message.
+    decode_drop_grace_s: float = 1.0
+    # -- input limits (router/frontend.py): INVALID_ARGUMENT beyond them -------------
+    max_request_id_bytes: int = 256
+    max_cache_salt_bytes: int = 1024
+    # A text prompt, or all chat messages together (roles and contents), UTF-8 bytes.
+    max_prompt_bytes: int = 1 << 20
+    max_messages: int = 256
+    # Threads that tokenize, apply chat templates and hash prompts off the event loop.
+    frontend_threads: int = 4
 
     def __post_init__(self) -> None:
+        for name in (
+            "prefill_timeout_s",
+            "export_timeout_s",
+            "release_lease_timeout_s",
+            "decode_idle_timeout_s",
+            "decode_drop_grace_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in (
+            "max_request_id_bytes",
+            "max_cache_salt_bytes",
+            "max_prompt_bytes",
+            "max_messages",
+            "frontend_threads",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:

@@ -19,11 +19,19 @@ from google.protobuf.message import Message
 from pagedserve.common.loader import model_name, resolve_model_dir
 from pagedserve.common.model_config import ModelSpec
 from pagedserve.common.protocol import sampling_from_pb
-from pagedserve.common.sampling_params import InvalidRequestError, validate_prompt
+from pagedserve.common.sampling_params import (
+    InvalidRequestError,
+    SamplingParams,
+    validate_prompt,
+)
 from pagedserve.common.tokenizer import load_tokenizer
 from pagedserve.router.config import RouterConfig
 from pagedserve.v1 import generation_pb2 as gen_pb
 from pagedserve.v1 import worker_pb2
+
+# What the sampling options of a valid request may take on the wire (stop strings and
+# stop token ids, bounded by SamplingParams.validate; the rest are scalars).
+SAMPLING_ALLOWANCE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,7 @@ class ModelFrontend:
     """Tokenizer, chat template and limits of the served model."""
 
     def __init__(self, config: RouterConfig) -> None:
+        self.config = config
         self.model_dir = resolve_model_dir(config.model)
         self.model_name = model_name(config.model, self.model_dir)
         self.spec = ModelSpec.from_hf_config(
@@ -88,14 +97,76 @@ class ModelFrontend:
         )
 
     # -- requests -----------------------------------------------------------------
+    #
+    # Split in two so that the router runs the cheap part on its event loop and the
+    # expensive part (tokenizing, chat templating: O(prompt size)) on a thread:
+    # `precheck` looks at sizes and fields only, `tokenize` does the rest. Every size
+    # is bounded by `precheck` first, so the expensive part is bounded too.
 
     def resolve(self, request: gen_pb.GenerateRequest) -> ResolvedRequest:
         """Validates and tokenizes; raises InvalidRequestError naming what is wrong."""
+        rid, params = self.precheck(request)
+        return self.tokenize(request, rid, params)
+
+    def precheck(self, request: gen_pb.GenerateRequest) -> tuple[str, SamplingParams]:
+        """Fields, sizes and sampling options, without tokenizing: (request id, params)."""
         check_known_fields(request)
+        self.check_sizes(request)
         params = sampling_from_pb(request.sampling)
         params.validate(
             vocab_size=self.vocab_size, max_n=self.max_n, max_logprobs=self.max_logprobs
         )
+        rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
+        if not rid:
+            raise InvalidRequestError("request_id must not be empty (leave it unset instead)")
+        return rid, params
+
+    def check_sizes(self, request: gen_pb.GenerateRequest) -> None:
+        """The input limits of RouterConfig; O(request size), no tokenizing.
+
+        Token ids need no limit of their own: validate_prompt bounds them by
+        max_model_len, and the message size bounds them before that.
+        """
+        c = self.config
+        _check_bytes("request_id", request.request_id, c.max_request_id_bytes)
+        _check_bytes("cache_salt", request.cache_salt, c.max_cache_salt_bytes)
+        which = request.WhichOneof("input")
+        if which == "prompt":
+            _check_bytes("prompt", request.prompt, c.max_prompt_bytes)
+        elif which == "messages":
+            messages = request.messages.messages
+            if len(messages) > c.max_messages:
+                raise InvalidRequestError(
+                    f"messages has {len(messages)} turns, more than the limit of "
+                    f"{c.max_messages} (RouterConfig.max_messages)"
+                )
+            size = sum(len(m.role.encode()) + len(m.content.encode()) for m in messages)
+            if size > c.max_prompt_bytes:
+                raise InvalidRequestError(
+                    f"messages hold {size} bytes of roles and contents (UTF-8), more than "
+                    f"the limit of {c.max_prompt_bytes} (RouterConfig.max_prompt_bytes)"
+                )
+
+    def max_request_bytes(self) -> int:
+        """The serialized size of the largest request the limits accept.
+
+        The router's public server receives messages up to this size (larger ones are
+        refused by gRPC with RESOURCE_EXHAUSTED before any of them is parsed): the
+        largest of the three inputs, the id and salt with their framing, and an
+        allowance for the sampling options (stop strings and stop ids are bounded
+        by SamplingParams.validate; everything else there is a fixed-size scalar).
+        """
+        c = self.config
+        token_ids = self.max_model_len * 5 + 16  # varint <= 5 bytes for a 32-bit id
+        messages = c.max_prompt_bytes + c.max_messages * 16  # tags and length prefixes
+        text = c.max_prompt_bytes + 16
+        strings = c.max_request_id_bytes + c.max_cache_salt_bytes + 32
+        return max(token_ids, messages, text) + strings + SAMPLING_ALLOWANCE_BYTES
+
+    def tokenize(
+        self, request: gen_pb.GenerateRequest, rid: str, params: SamplingParams
+    ) -> ResolvedRequest:
+        """The prompt's token ids, checked against the model; runs off the event loop."""
         ids = self.prompt_ids(request)
         validate_prompt(
             ids,
@@ -103,9 +174,6 @@ class ModelFrontend:
             max_model_len=self.max_model_len,
             max_tokens=params.max_tokens,
         )
-        rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
-        if not rid:
-            raise InvalidRequestError("request_id must not be empty (leave it unset instead)")
         tokenized = worker_pb2.TokenizedRequest(
             request_id=rid,
             prompt_token_ids=ids,
@@ -148,6 +216,18 @@ class ModelFrontend:
         except Exception as e:  # jinja raises TemplateError (or raise_exception's own)
             raise InvalidRequestError(f"the chat template rejected the messages: {e}") from e
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _check_bytes(name: str, value: str, limit: int) -> None:
+    # Cheap first: a str of n characters is at least n bytes in UTF-8, at most 4n.
+    if len(value) * 4 <= limit:
+        return
+    size = len(value.encode())
+    if size > limit:
+        field = "max_prompt_bytes" if name == "prompt" else f"max_{name}_bytes"
+        raise InvalidRequestError(
+            f"{name} is {size} bytes (UTF-8), more than the limit of {limit} (RouterConfig.{field})"
+        )
 
 
 def check_known_fields(msg: Message, path: str = "") -> None:

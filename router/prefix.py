@@ -68,6 +68,13 @@ EMBEDDED_NAMESPACE = "embedded"  # one router serves one model: no need to tell 
 LOOKUP_THREADS = 4  # Redis lookups in flight at once (~120 us each when Redis is healthy)
 
 
+def hash_chain(
+    prompt_token_ids: Sequence[int], cache_salt: str | None, model_id: str, block_size: int
+) -> list[bytes]:
+    """The chain a worker would compute for this prompt (pure: safe on any thread)."""
+    return block_hashes(prompt_token_ids[:-1], block_size, model_id, cache_salt)
+
+
 class PrefixLookup:
     def __init__(
         self,
@@ -111,22 +118,33 @@ class PrefixLookup:
             logger.info("prefix index: redis %s, namespace %r", index.url, model_id)  # type: ignore[attr-defined]
         return index
 
-    def chain(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> list[bytes] | None:
-        """The prompt's block hashes as the workers compute them; None before any worker."""
+    def chain_key(self) -> tuple[str, int] | None:
+        """(model id, block size) the workers hash with; None before any worker reported."""
         model_id = self.registry.model_id()
         if model_id is None:
             return None
-        bs = self.registry.block_size()
-        return block_hashes(prompt_token_ids[:-1], bs, model_id, cache_salt)
+        return model_id, self.registry.block_size()
 
-    def match(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> PrefixMatch | None:
+    def chain(self, prompt_token_ids: Sequence[int], cache_salt: str | None) -> list[bytes] | None:
+        """The prompt's block hashes as the workers compute them; None before any worker."""
+        key = self.chain_key()
+        return None if key is None else hash_chain(prompt_token_ids, cache_salt, *key)
+
+    def match(
+        self,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str | None,
+        hashes: list[bytes] | None = None,
+    ) -> PrefixMatch | None:
         """Per routable worker, how many leading blocks of the prompt it holds.
 
+        `hashes`: the prompt's chain if the caller computed it already (the router
+        hashes off its event loop, `hash_chain` with `chain_key()`).
         None: no worker has reported its model yet, or the index is unusable (then it
         is not asked again before `index_retry_s`). Blocks on the index round trip:
         the router's requests use `match_async`.
         """
-        hashes = self._hashes_to_look_up(prompt_token_ids, cache_salt)
+        hashes = self._hashes_to_look_up(prompt_token_ids, cache_salt, hashes)
         if not hashes:
             return None if hashes is None else PrefixMatch(self.registry.block_size(), 0, {})
         index = self.index()
@@ -140,12 +158,15 @@ class PrefixLookup:
         return self._matched(hashes, counts)
 
     async def match_async(
-        self, prompt_token_ids: Sequence[int], cache_salt: str | None
+        self,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str | None,
+        hashes: list[bytes] | None = None,
     ) -> PrefixMatch | None:
         """`match`, with a Redis round trip run on the lookup threads, off the event loop."""
         if self.embedded is not None:  # in memory: nothing to wait for
-            return self.match(prompt_token_ids, cache_salt)
-        hashes = self._hashes_to_look_up(prompt_token_ids, cache_salt)
+            return self.match(prompt_token_ids, cache_salt, hashes)
+        hashes = self._hashes_to_look_up(prompt_token_ids, cache_salt, hashes)
         if not hashes:
             return None if hashes is None else PrefixMatch(self.registry.block_size(), 0, {})
         index = self.index()
@@ -179,10 +200,15 @@ class PrefixLookup:
         return index.match(hashes)
 
     def _hashes_to_look_up(
-        self, prompt_token_ids: Sequence[int], cache_salt: str | None
+        self,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str | None,
+        hashes: list[bytes] | None = None,
     ) -> list[bytes] | None:
-        """The chain to look up; None when no lookup is due (no model yet, backing off)."""
-        hashes = self.chain(prompt_token_ids, cache_salt)
+        """The chain to look up (`hashes` if given); None when no lookup is due (no model
+        yet, backing off)."""
+        if hashes is None:
+            hashes = self.chain(prompt_token_ids, cache_salt)
         if hashes is None or self.clock() < self.retry_at:
             return None
         return hashes

@@ -53,6 +53,9 @@ class WorkerRegistry:
         self._workers: dict[str, WorkerInfo] = {}
         self.drops: deque[tuple[str, str]] = deque(maxlen=1000)  # (worker_id, reason)
         self.listeners: list[Callable[[], None]] = []  # called when membership changes
+        # Called with a worker's record and the reason when that record leaves: a drop,
+        # or a re-registration under a new address or pool (the old record is gone).
+        self.drop_listeners: list[Callable[[WorkerInfo, str], None]] = []
 
     # -- membership -----------------------------------------------------------------
 
@@ -68,8 +71,11 @@ class WorkerRegistry:
         if info is not None and info.address == stats.address and info.pool == pool:
             info.stats, info.last_seen = stats, now
             return info
+        old = info
         info = WorkerInfo(stats.worker_id, pool, stats.address, stats, now)
         self._workers[stats.worker_id] = info
+        if old is not None:
+            self._left(old, f"re-registered as {pool} at {stats.address}")
         logger.info("worker %s (%s) joined at %s", info.worker_id, pool, info.address)
         self._changed()
         return info
@@ -104,8 +110,13 @@ class WorkerRegistry:
             info.address,
             reason,
         )
+        self._left(info, reason)
         self._changed()
         return True
+
+    def _left(self, info: WorkerInfo, reason: str) -> None:
+        for fn in self.drop_listeners:
+            fn(info, reason)
 
     def _changed(self) -> None:
         for fn in self.listeners:

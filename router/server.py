@@ -1,9 +1,13 @@
 """The router: the public gRPC server in front of the prefill and decode pools.
 
 Generate, step by step (`_serve`):
-  1. validate and tokenize (ModelFrontend) -> INVALID_ARGUMENT with the engine's message;
+  1. check fields, sizes and sampling options (ModelFrontend.precheck, on the loop:
+     cheap) -> INVALID_ARGUMENT with the engine's message;
   2. admission control -> RESOURCE_EXHAUSTED at once when running + queued are full;
-  3. look the prompt's block hashes up in the prefix index (router/prefix.py; one
+     then tokenize / apply the chat template (ModelFrontend.tokenize) on the
+     frontend threads, never on the event loop (a big prompt would stall every
+     stream); only admitted requests tokenize, so that work is bounded too;
+  3. hash the prompt's blocks (frontend threads) and look them up in the prefix index (router/prefix.py; one
      round trip; skipped by policies that ignore it, load only while it is down),
      and rank the decode workers (router/policy.py: blocks each would not compute,
      against its load);
@@ -11,14 +15,34 @@ Generate, step by step (`_serve`):
      than `disagg_min_prompt_tokens` prompt tokens (the prompt minus the prefix it
      holds or will pull: the next turn of a chat it served) or no prefill worker is
      live, it prefills locally; otherwise Prefill on the best prefill worker.
-     UNAVAILABLE marks that worker down and retries once on another; after that (or
-     on any other failure but a bad request or the deadline) the decode worker
-     prefills locally;
+     A failed Prefill (below) is retried once on another prefill worker; after
+     that the decode worker prefills locally;
   5. Decode on the chosen decode worker (re-ranked after a Prefill), with the KV
-     handle, relaying every DecodeStep's response. UNAVAILABLE before anything was
-     streamed marks the worker down and retries on another (prefilling there: the
-     handle may be spent); after something was streamed the stream ends with
-     UNAVAILABLE.
+     handle, relaying every DecodeStep's response. A worker failure before anything
+     was streamed retries on another (prefilling there: the handle may be spent);
+     after something was streamed the stream ends with UNAVAILABLE.
+
+Failures and retries. A worker *failure* is UNAVAILABLE (also marks the worker down),
+INTERNAL/UNKNOWN (its forward failed the batch), CANCELLED by the worker, a Prefill
+past `prefill_timeout_s`, or a Decode stream that stalls (below). A request is
+retried after a failure at most once, counted over both hops, never replayed around
+the pool: a request that breaks every worker's forward breaks two. (The local
+prefill after failed Prefills is not a retry: the decode worker runs the request
+anyway.) A *refusal* is RESOURCE_EXHAUSTED (the worker's waiting queue or its RPC
+threads are full; nothing ran): the request moves to a worker not tried yet, each
+worker once, without using the retry; when every decode worker refused, the client
+gets RESOURCE_EXHAUSTED. INVALID_ARGUMENT (the request's own fault) and the client's
+own deadline are never retried.
+
+Bounded calls. Every internal call ends within a bound of RouterConfig, even without
+a client deadline: Prefill, ExportPrefix and ReleaseLease by deadlines; Decode (a long
+generation is legitimate) by progress: a stream that sends nothing for
+`decode_idle_timeout_s`, or for `decode_drop_grace_s` after its worker left the
+registry, is cancelled (`_relay`), with a message that names the worker (id and
+address). Channels keep HTTP/2 keepalive (common/grpc_options.py), so a silently cut
+link fails its calls within ~20 s even where no timer would. Channels to workers that
+left the registry are closed once their last call ended (`_use_channel`): Ray
+restarts workers on new ports, so the map would otherwise only grow.
 
 Cross-worker reuse: when the worker about to compute a prompt (a prefill worker, or
 a decode worker prefilling locally) lacks a prefix that another worker holds and
@@ -37,6 +61,11 @@ client leaves is never seen here; its lease expires after the TTL (counted by th
 worker). A prefix handle passed to a worker that failed or never answered is
 released by the router (ReleaseLease is idempotent, so also when the worker did).
 
+Requests that are not valid protobuf (a string field with bad UTF-8) are answered
+INVALID_ARGUMENT, not gRPC's UNKNOWN (`_lenient`); requests larger than the largest
+valid one (ModelFrontend.max_request_bytes) are refused by gRPC itself with
+RESOURCE_EXHAUSTED before they are parsed.
+
 Also served: the worker Registry (heartbeats), grpc.health.v1 (overall "" and per pool
 "pagedserve.prefill" / "pagedserve.decode") and server reflection.
 """
@@ -50,19 +79,20 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagedserve.common.grpc_options import CHANNEL_OPTIONS, SERVER_OPTIONS, with_option
 from pagedserve.common.prefix_index import IndexUnavailableError
 from pagedserve.common.prefix_index.faults import Backoff, LogLimiter
 from pagedserve.common.prefix_index.remote import PrefixIndexServicer
 from pagedserve.common.sampling_params import InvalidRequestError
-from pagedserve.common.worker import GRPC_OPTIONS
 from pagedserve.router.admission import Admission, AdmissionRejected
 from pagedserve.router.config import RouterConfig
 from pagedserve.router.cost import TransferEstimator
@@ -76,7 +106,7 @@ from pagedserve.router.policy import (
     RoutingPolicy,
     Scored,
 )
-from pagedserve.router.prefix import PrefixLookup
+from pagedserve.router.prefix import PrefixLookup, hash_chain
 from pagedserve.router.registry import WorkerInfo, WorkerRegistry
 from pagedserve.v1 import (
     generation_pb2,
@@ -113,7 +143,14 @@ _PASS_THROUGH = {
 # A decode worker refusing a request because its KV import failed under the "fail"
 # policy answers UNAVAILABLE with this prefix; the worker is fine, so no retry.
 _IMPORT_FAILED = "KV import failed"
-EXPORT_TIMEOUT_S = 5.0  # an ExportPrefix only stages cached blocks: it is quick or broken
+# What a worker's answer means for the request (see the module docstring).
+_FAILED = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,
+}
+_REFUSED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def default_policy(config: RouterConfig) -> RoutingPolicy:
@@ -170,11 +207,18 @@ class Router:
         self.server: grpc.aio.Server | None = None
         self.address = ""
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channel_users: collections.Counter[str] = collections.Counter()
+        self._watches: dict[str, set[_StreamWatch]] = {}  # worker id -> its open Decode streams
+        # Tokenizing, chat templates and block hashing run here, off the event loop.
+        self._frontend_pool = concurrent.futures.ThreadPoolExecutor(
+            config.frontend_threads, thread_name_prefix="router-frontend"
+        )
         self._background: set[asyncio.Task] = set()
         self._stopped: asyncio.Event | None = None
         self._sweeper: asyncio.Task | None = None
         self._poller: asyncio.Task | None = None
         self.registry.listeners.append(self._on_membership_change)
+        self.registry.drop_listeners.append(self._on_worker_left)
         self.metrics = RouterMetrics(self)  # served by start() when config.metrics_port is set
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -183,8 +227,12 @@ class Router:
         """Binds and starts serving; returns host:port."""
         self._stopped = asyncio.Event()
         self._health_lock = asyncio.Lock()
-        server = grpc.aio.server(options=GRPC_OPTIONS)
-        generation_pb2_grpc.add_GenerationServicer_to_server(_GenerationServicer(self), server)
+        # The public server receives what the largest valid request needs, no more.
+        limit = self.frontend.max_request_bytes()
+        server = grpc.aio.server(
+            options=with_option(SERVER_OPTIONS, "grpc.max_receive_message_length", limit)
+        )
+        _add_generation_service(_GenerationServicer(self), server)
         worker_pb2_grpc.add_RegistryServicer_to_server(_RegistryServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [
@@ -237,6 +285,7 @@ class Router:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+        self._frontend_pool.shutdown(wait=False, cancel_futures=True)
         self.prefix.close()
         if self.redis_registry is not None:
             self.redis_registry.close()
@@ -374,11 +423,44 @@ class Router:
     # -- workers ------------------------------------------------------------------------
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        """One channel per worker address, kept for the router's life (gRPC reconnects)."""
+        """One channel per worker address (gRPC reconnects it); calls take it through
+        `_use_channel`, so that it is closed once its worker left and its calls ended."""
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            ch = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = ch
         return ch
+
+    @contextlib.contextmanager
+    def _use_channel(self, address: str) -> Iterator[grpc.aio.Channel]:
+        """The channel to `address`, counted as in use until the block ends."""
+        ch = self.channel(address)
+        self._channel_users[address] += 1
+        try:
+            yield ch
+        finally:
+            self._channel_users[address] -= 1
+            if self._channel_users[address] <= 0:
+                del self._channel_users[address]
+                self._prune_channel(address)
+
+    def _prune_channel(self, address: str) -> None:
+        """Closes the channel to `address` if no live worker has it and no call uses it."""
+        if self._channel_users.get(address) or address not in self._channels:
+            return
+        if any(w.address == address for w in self.registry.workers()):
+            return
+        ch = self._channels.pop(address)
+        self.counters["channels_closed"] += 1
+        self._spawn(ch.close())
+
+    def _on_worker_left(self, info: WorkerInfo, reason: str) -> None:
+        """A worker record left the registry: its streams get `decode_drop_grace_s`
+        more (`_relay`), and its channel closes once unused."""
+        for watch in self._watches.get(info.worker_id, ()):
+            if watch.worker is info:
+                watch.left(reason)
+        self._prune_channel(info.address)
 
     def _on_membership_change(self) -> None:
         self._spawn(self._update_health())
@@ -398,21 +480,25 @@ class Router:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def route_request(self, r: ResolvedRequest) -> RouteRequest:
+    def route_request(self, r: ResolvedRequest, hashes: list[bytes] | None = None) -> RouteRequest:
         """What the policy sees: the request plus, for a prefix-aware policy, the index's
         per-worker match of its prompt (None while the index is unreachable).
 
-        Blocks on a Redis index (for `preview`); requests use `route_request_async`."""
+        `hashes`: the prompt's chain if computed already (hashed here when None: fine
+        for previews, not for requests). Blocks on a Redis index (for `preview`);
+        requests use `_route`, which hashes and looks up off the event loop."""
         match = None
         if self.policy.uses_prefix_index:
-            match = self.prefix.match(r.prompt_token_ids, r.cache_salt)
+            match = self.prefix.match(r.prompt_token_ids, r.cache_salt, hashes)
         return self._route_request(r, match)
 
-    async def route_request_async(self, r: ResolvedRequest) -> RouteRequest:
+    async def route_request_async(
+        self, r: ResolvedRequest, hashes: list[bytes] | None = None
+    ) -> RouteRequest:
         """`route_request` with the index lookup off the event loop (router/prefix.py)."""
         match = None
         if self.policy.uses_prefix_index:
-            match = await self.prefix.match_async(r.prompt_token_ids, r.cache_salt)
+            match = await self.prefix.match_async(r.prompt_token_ids, r.cache_salt, hashes)
         return self._route_request(r, match)
 
     def _route_request(self, r: ResolvedRequest, match: PrefixMatch | None) -> RouteRequest:
@@ -424,6 +510,17 @@ class Router:
             if match is not None:
                 self.counters["index_query_blocks"] += match.num_blocks
         return RouteRequest(r.request_id, r.prompt_token_ids, r.cache_salt, match)
+
+    async def _route(self, r: ResolvedRequest) -> RouteRequest:
+        """`route_request` with the prompt hashed on the frontend threads."""
+        hashes = None
+        key = self.prefix.chain_key() if self.policy.uses_prefix_index else None
+        if key is not None:
+            hashes = await self._off_loop(hash_chain, r.prompt_token_ids, r.cache_salt, *key)
+        return await self.route_request_async(r, hashes)
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._frontend_pool, fn, *args)
 
     def pick(self, role: str, rr: RouteRequest, exclude: set[str]) -> Scored | None:
         """The policy's best live worker for `role`, minus `exclude`; logs the inputs."""
@@ -454,30 +551,41 @@ class Router:
     # -- Generate -----------------------------------------------------------------------
 
     async def generate(
-        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self,
+        request: generation_pb2.GenerateRequest | _Undecodable,
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         self.counters["requests"] += 1
         arrived = time.perf_counter()
         try:
-            resolved = self.frontend.resolve(request)
-            if resolved.request_id in self.active_requests:
+            if isinstance(request, _Undecodable):
                 raise InvalidRequestError(
-                    f"request_id {resolved.request_id!r} is already in flight"
+                    f"the request is not a valid GenerateRequest ({request.error}); "
+                    "string fields (prompt, messages, request_id, cache_salt, stop) "
+                    "must be valid UTF-8"
                 )
+            rid, params = self.frontend.precheck(request)
+            if rid in self.active_requests:
+                raise InvalidRequestError(f"request_id {rid!r} is already in flight")
         except InvalidRequestError as e:
             self.counters["invalid"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        self.active_requests.add(resolved.request_id)  # queued ones count: ids stay unique
+        self.active_requests.add(rid)  # queued ones count: ids stay unique
         try:
             await self.admission.acquire()
         except AdmissionRejected as e:
-            self.active_requests.discard(resolved.request_id)
+            self.active_requests.discard(rid)
             self.counters["rejected"] += 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except BaseException:  # cancelled while queued
-            self.active_requests.discard(resolved.request_id)
+            self.active_requests.discard(rid)
             raise
         try:
+            try:
+                resolved = await self._off_loop(self.frontend.tokenize, request, rid, params)
+            except InvalidRequestError as e:
+                self.counters["invalid"] += 1
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             serving = self._serve(resolved, context, arrived)
             async with contextlib.aclosing(serving) as responses:
                 async for response in responses:
@@ -485,13 +593,13 @@ class Router:
         except _Abort as e:
             await context.abort(e.code, e.message)
         finally:
-            self.active_requests.discard(resolved.request_id)
+            self.active_requests.discard(rid)
             self.admission.release()
 
     async def _serve(
         self, r: ResolvedRequest, context: grpc.aio.ServicerContext, arrived: float
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        rr = await self.route_request_async(r)
+        rr = await self._route(r)
         first = self.pick("decode", rr, set())
         if first is None:
             raise _Abort(grpc.StatusCode.UNAVAILABLE, _no_worker_message("decode", set()))
@@ -513,6 +621,14 @@ class Router:
         if rr.prefix is not None and rr.prefix.hashes:
             releases.append(self.prefix.reserve(worker.worker_id, rr.prefix.hashes))
 
+    def _bounded(self, context: grpc.aio.ServicerContext, bound: float) -> tuple[float, bool]:
+        """(timeout for an internal call, whether it is our bound rather than the
+        client's deadline): a DEADLINE_EXCEEDED under our bound is the worker's failure."""
+        remaining = context.time_remaining()
+        if remaining is None or remaining > bound:
+            return bound, True
+        return remaining, False
+
     async def _dispatch(
         self,
         r: ResolvedRequest,
@@ -522,7 +638,8 @@ class Router:
         disaggregate: bool,
         releases: list[Callable[[], None]],
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        handle = await self._prefill(r, rr, context, releases) if disaggregate else None
+        attempts = _Attempts()
+        handle = await self._prefill(r, rr, context, releases, attempts) if disaggregate else None
         # After a Prefill the decode worker only pulls blocks: rank again (loads moved).
         choice: Scored | None = first if handle is None else None
         lease_open = handle is not None and bool(handle.lease_id)
@@ -533,7 +650,7 @@ class Router:
                 scored = choice or self.pick("decode", rr, tried)
                 choice = None
                 if scored is None:
-                    raise _Abort(grpc.StatusCode.UNAVAILABLE, _no_worker_message("decode", tried))
+                    raise attempts.none_left("decode", tried)
                 worker = scored.worker
                 tried.add(worker.worker_id)
                 self._reserve(rr, worker, releases)
@@ -546,33 +663,70 @@ class Router:
                     on_transfer_failure=_POLICY_PB[self.config.transfer_failure_policy],
                     prefix=prefix,
                 )
-                stub = worker_pb2_grpc.DecodeStub(self.channel(worker.address))
-                call = stub.Decode(req, timeout=context.time_remaining())
                 worker.inflight += 1
                 answered = False
                 try:
-                    async for step in call:
-                        answered = True
-                        lease_open = False  # the first step comes after the import ended
-                        streamed += 1
-                        yield step.response
+                    async with contextlib.aclosing(self._relay(worker, req, context)) as steps:
+                        async for step in steps:
+                            answered = True
+                            lease_open = False  # the first step comes after the import ended
+                            streamed += 1
+                            yield step.response
                     return
-                except grpc.aio.AioRpcError as e:
-                    if not self._decode_retryable(e, worker, streamed):
-                        raise _downstream_abort(e, "decode", worker, streamed) from None
-                    self.counters["decode_retries"] += 1
-                    if lease_open:  # the next worker prefills locally: the handle may be spent
-                        self._release_lease(handle)
+                except (grpc.aio.AioRpcError, _Stalled) as e:
+                    failure = _Failure.of(e, "decode", worker)
+                    kind = self._decode_outcome(failure, streamed)
+                    if kind == "final" or not attempts.allow(kind, failure):
+                        raise failure.abort(streamed) from None
+                    self.counters["decode_refused" if kind == "refused" else "decode_retries"] += 1
+                    if kind == "failed" and lease_open:  # the next worker prefills locally:
+                        self._release_lease(handle)  # the handle may be spent
                         lease_open = False
-                    handle = None
+                    if kind == "failed":
+                        handle = None  # (a refusal touched nothing: the handle is still good)
                 finally:
                     worker.inflight -= 1
-                    call.cancel()  # no-op when done; aborts the request downstream otherwise
                     if not answered:  # failed or cancelled: the worker may never have
                         self._release_lease(prefix)  # released the prefix (idempotent)
         finally:
             if lease_open:
                 self._release_lease(handle)
+
+    async def _relay(
+        self,
+        worker: WorkerInfo,
+        req: worker_pb2.DecodeRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[worker_pb2.DecodeStep]:
+        """The Decode stream of `req` on `worker`, message by message, under the progress
+        bounds: nothing for `decode_idle_timeout_s`, or for `decode_drop_grace_s` once
+        the worker left the registry, raises _Stalled (the call is cancelled, so the
+        worker aborts the request and frees its blocks if it still can)."""
+        with self._use_channel(worker.address) as channel:
+            call = worker_pb2_grpc.DecodeStub(channel).Decode(req, timeout=context.time_remaining())
+            watch = _StreamWatch(worker, call, self.config)
+            watches = self._watches.setdefault(worker.worker_id, set())
+            watches.add(watch)
+            try:
+                async for step in call:
+                    watch.progress(relaying=True)
+                    yield step
+                    watch.progress(relaying=False)
+            except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
+                # The watch cancelled the call (not our client: its cancel reaches this
+                # task, which then counts as cancelling).
+                task = asyncio.current_task()
+                if watch.stalled is None or (task is not None and task.cancelling()):
+                    raise
+                if isinstance(e, grpc.aio.AioRpcError) and e.code() != grpc.StatusCode.CANCELLED:
+                    raise
+                raise watch.stalled from None
+            finally:
+                watch.close()
+                call.cancel()  # no-op when done; aborts the request downstream otherwise
+                watches.discard(watch)
+                if not watches and self._watches.get(worker.worker_id) is watches:
+                    del self._watches[worker.worker_id]
 
     def _disaggregate(self, r: ResolvedRequest, decode: Scored) -> bool:
         """Prefill on a prefill worker, or locally on `decode`?
@@ -597,12 +751,22 @@ class Router:
         self.counters["local_prefill_short" if short else "local_prefill_cached"] += 1
         return False
 
-    def _decode_retryable(self, e: grpc.aio.AioRpcError, worker: WorkerInfo, streamed: int) -> bool:
-        """UNAVAILABLE from a dead worker: mark it down; retry if nothing was streamed."""
-        if e.code() != grpc.StatusCode.UNAVAILABLE or e.details().startswith(_IMPORT_FAILED):
-            return False
-        self.registry.mark_down(worker, f"Decode failed with UNAVAILABLE: {e.details()}")
-        return streamed == 0
+    def _decode_outcome(self, failure: _Failure, streamed: int) -> str:
+        """ "refused", "failed" (may move, once) or "final"; marks a dead worker down.
+
+        After something was streamed nothing moves: the client has part of an answer.
+        """
+        if failure.code == grpc.StatusCode.UNAVAILABLE and not failure.stalled:
+            if failure.details.startswith(_IMPORT_FAILED):
+                return "final"  # the worker is fine: the KV it was handed was not
+            self.registry.mark_down(
+                failure.worker, f"Decode failed with UNAVAILABLE: {failure.details}"
+            )
+        elif failure.stalled and not failure.dropped:
+            self.registry.mark_down(failure.worker, f"Decode stalled: {failure.details}")
+        if streamed:
+            return "final"
+        return failure.kind()
 
     async def _prefill(
         self,
@@ -610,10 +774,11 @@ class Router:
         rr: RouteRequest,
         context: grpc.aio.ServicerContext,
         releases: list[Callable[[], None]],
+        attempts: _Attempts,
     ) -> kvtransfer_pb2.KVHandle | None:
         """A KV handle from a prefill worker, or None: the decode worker prefills locally."""
         tried: set[str] = set()
-        for _attempt in range(2):  # the first choice, then one retry elsewhere
+        while True:
             scored = self.pick("prefill", rr, tried)
             if scored is None:
                 break
@@ -628,30 +793,40 @@ class Router:
                 prefix = await self._export_prefix(r, rr, scored, context)
                 if prefix is not None:
                     req.prefix.CopyFrom(prefix)
-            stub = worker_pb2_grpc.PrefillStub(self.channel(worker.address))
+            timeout, ours = self._bounded(context, self.config.prefill_timeout_s)
             worker.inflight += 1
             answered = False
             try:
-                handle = await stub.Prefill(req, timeout=context.time_remaining())
+                with self._use_channel(worker.address) as channel:
+                    stub = worker_pb2_grpc.PrefillStub(channel)
+                    handle = await stub.Prefill(req, timeout=timeout)
                 answered = True
                 self.counters["prefill_calls"] += 1
                 self.estimator.observe_layout(handle.layout)
                 return handle
             except grpc.aio.AioRpcError as e:
-                code = e.code()
-                if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise _downstream_abort(e, "prefill", worker, 0) from None
-                if code != grpc.StatusCode.UNAVAILABLE:
+                failure = _Failure.of(e, "prefill", worker)
+                code = failure.code
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and ours:
+                    failure.code = code = grpc.StatusCode.UNAVAILABLE
+                    failure.details = (
+                        f"no answer within prefill_timeout_s {self.config.prefill_timeout_s:g} s"
+                    )
+                elif code == grpc.StatusCode.UNAVAILABLE:
+                    self.registry.mark_down(
+                        worker, f"Prefill failed with UNAVAILABLE: {e.details()}"
+                    )
+                kind = failure.kind()
+                if kind == "final":
+                    raise failure.abort(0) from None
+                self.counters["prefill_refused" if kind == "refused" else "prefill_retries"] += 1
+                if not attempts.allow(kind, failure):
                     logger.warning(
-                        "Prefill of %s on %s failed (%s: %s): prefilling on the decode worker",
+                        "Prefill of %s failed again (%s): prefilling on the decode worker",
                         r.request_id,
-                        worker.worker_id,
-                        code.name,
-                        e.details(),
+                        failure.message(0),
                     )
                     break
-                self.registry.mark_down(worker, f"Prefill failed with UNAVAILABLE: {e.details()}")
-                self.counters["prefill_retries"] += 1
             finally:
                 worker.inflight -= 1
                 if not answered:  # failed or cancelled: the worker may never have
@@ -680,14 +855,13 @@ class Router:
             lease_ttl_ms=self.config.prefix.export_lease_ttl_ms,
         )
         holder = plan.holder
-        stub = worker_pb2_grpc.PrefillStub(self.channel(holder.address))
-        remaining = context.time_remaining()
+        timeout, _ours = self._bounded(context, self.config.export_timeout_s)
         started = time.perf_counter()
         try:
-            handle = await stub.ExportPrefix(
-                req,
-                timeout=EXPORT_TIMEOUT_S if remaining is None else min(remaining, EXPORT_TIMEOUT_S),
-            )
+            with self._use_channel(holder.address) as channel:
+                handle = await worker_pb2_grpc.PrefillStub(channel).ExportPrefix(
+                    req, timeout=timeout
+                )
         except grpc.aio.AioRpcError as e:
             stale = e.code() == grpc.StatusCode.NOT_FOUND
             self.counters["prefix_export_missing" if stale else "prefix_export_failed"] += 1
@@ -726,11 +900,12 @@ class Router:
             return
 
         async def run() -> None:
-            stub = worker_pb2_grpc.PrefillStub(self.channel(handle.transfer_address))
             try:
-                resp = await stub.ReleaseLease(
-                    worker_pb2.ReleaseLeaseRequest(lease_id=handle.lease_id), timeout=5.0
-                )
+                with self._use_channel(handle.transfer_address) as channel:
+                    resp = await worker_pb2_grpc.PrefillStub(channel).ReleaseLease(
+                        worker_pb2.ReleaseLeaseRequest(lease_id=handle.lease_id),
+                        timeout=self.config.release_lease_timeout_s,
+                    )
                 if resp.released:  # False: the worker it was meant for released it already
                     self.counters["leases_released"] += 1
             except grpc.aio.AioRpcError as e:
@@ -757,18 +932,205 @@ def _no_worker_message(role: str, tried: set[str]) -> str:
     return f"no live {role} worker: the {role} pool is empty or every worker is down"
 
 
-def _downstream_abort(
-    e: grpc.aio.AioRpcError, role: str, worker: WorkerInfo, streamed: int
-) -> _Abort:
-    code = e.code()
-    if code == grpc.StatusCode.CANCELLED:
-        code = grpc.StatusCode.UNAVAILABLE
-    elif code not in _PASS_THROUGH:
-        code = grpc.StatusCode.INTERNAL
-    where = f"{role} worker {worker.worker_id}"
-    if streamed:
-        where += f" (after {streamed} streamed messages)"
-    return _Abort(code, f"{where}: {e.details()}")
+class _Stalled(Exception):
+    """A Decode stream made no progress within its bound (`Router._relay`)."""
+
+    def __init__(self, details: str, dropped: bool) -> None:
+        super().__init__(details)
+        self.details = details
+        self.dropped = dropped  # the worker had left the registry
+
+
+@dataclass
+class _Failure:
+    """What went wrong on one worker, for the retry decision and the client's message."""
+
+    code: grpc.StatusCode
+    details: str
+    role: str
+    worker: WorkerInfo
+    stalled: bool = False
+    dropped: bool = False
+
+    @classmethod
+    def of(cls, e: grpc.aio.AioRpcError | _Stalled, role: str, worker: WorkerInfo) -> _Failure:
+        if isinstance(e, _Stalled):
+            return cls(grpc.StatusCode.UNAVAILABLE, e.details, role, worker, True, e.dropped)
+        return cls(e.code(), e.details() or "", role, worker)
+
+    def kind(self) -> str:
+        """ "refused" (nothing ran: try another), "failed" (may retry once) or "final"."""
+        if self.code == _REFUSED:
+            return "refused"
+        return "failed" if self.code in _FAILED else "final"
+
+    def message(self, streamed: int) -> str:
+        where = f"{self.role} worker {self.worker.worker_id} ({self.worker.address})"
+        if streamed:
+            where += f" (after {streamed} streamed messages)"
+        return f"{where}: {self.details}"
+
+    def abort(self, streamed: int) -> _Abort:
+        code = self.code
+        if code == grpc.StatusCode.CANCELLED:
+            code = grpc.StatusCode.UNAVAILABLE
+        elif code not in _PASS_THROUGH:
+            code = grpc.StatusCode.INTERNAL
+        return _Abort(code, self.message(streamed))
+
+
+@dataclass
+class _Attempts:
+    """One request's retry budget, over both hops: one retry after a failure; refusals
+    (RESOURCE_EXHAUSTED: nothing ran) move the request without using it."""
+
+    retries_left: int = 1
+    refused: set[str] = field(default_factory=set)
+    failures: list[_Failure] = field(default_factory=list)
+
+    def allow(self, kind: str, failure: _Failure) -> bool:
+        """Whether the request may go on to another worker after `failure`."""
+        if kind == "refused":
+            self.refused.add(failure.worker.worker_id)
+            return True
+        self.failures.append(failure)
+        if self.retries_left <= 0:
+            return False
+        self.retries_left -= 1
+        return True
+
+    def none_left(self, role: str, tried: set[str]) -> _Abort:
+        """The abort when no `role` worker is left to try."""
+        if tried and tried <= self.refused:
+            return _Abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"every live {role} worker is full (refused by {sorted(tried)}): retry later",
+            )
+        message = _no_worker_message(role, tried)
+        if self.failures:
+            message += f"; last failure: {self.failures[-1].message(0)}"
+        return _Abort(grpc.StatusCode.UNAVAILABLE, message)
+
+
+class _StreamWatch:
+    """The progress bound of one Decode stream (`Router._relay`).
+
+    A timer on the event loop, not a timeout around each read: it fires at the
+    deadline (`decode_idle_timeout_s` after the last message, or `decode_drop_grace_s`
+    after the worker left the registry, whichever is first), re-arms itself if the
+    stream moved on since, and otherwise records why and cancels the call. Time the
+    relay spends handing a message on (a slow client) is not the worker's: it does not
+    count.
+    """
+
+    def __init__(self, worker: WorkerInfo, call: grpc.aio.Call, cfg: RouterConfig) -> None:
+        self.worker = worker
+        self.call = call
+        self.cfg = cfg
+        self.loop = asyncio.get_running_loop()
+        self.last = self.loop.time()  # the call's start, or its last message
+        self.relaying = False  # handing a message on: the worker is not late meanwhile
+        self.left_reason: str | None = None
+        self.left_at = 0.0
+        self.stalled: _Stalled | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._arm()
+
+    def progress(self, relaying: bool) -> None:
+        self.last = self.loop.time()
+        self.relaying = relaying
+
+    def left(self, reason: str) -> None:
+        """The worker left the registry: the deadline moves closer."""
+        self.left_reason, self.left_at = reason, self.loop.time()
+        self._arm()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _drop_deadline(self) -> float | None:
+        if self.left_reason is None:
+            return None
+        return max(self.last, self.left_at) + self.cfg.decode_drop_grace_s
+
+    def _deadline(self) -> float:
+        idle = self.last + self.cfg.decode_idle_timeout_s
+        dropped = self._drop_deadline()
+        return idle if dropped is None else min(idle, dropped)
+
+    def _arm(self) -> None:
+        self.close()
+        self._timer = self.loop.call_at(self._deadline(), self._expire)
+
+    def _expire(self) -> None:
+        if self.relaying:
+            self.last = self.loop.time()
+        if self.relaying or self.loop.time() < self._deadline():
+            self._arm()  # it moved on since the timer was set
+            return
+        self.stalled = self._why()
+        self.call.cancel()
+
+    def _why(self) -> _Stalled:
+        dropped = self._drop_deadline()
+        if dropped is not None and dropped <= self.last + self.cfg.decode_idle_timeout_s:
+            return _Stalled(
+                f"the worker left the registry ({self.left_reason}) and sent nothing for "
+                f"{self.cfg.decode_drop_grace_s:g} s after (decode_drop_grace_s): "
+                "stream cancelled",
+                dropped=True,
+            )
+        return _Stalled(
+            f"sent nothing for {self.cfg.decode_idle_timeout_s:g} s "
+            "(decode_idle_timeout_s): stream cancelled",
+            dropped=False,
+        )
+
+
+# -- the public service ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Undecodable:
+    """A request that failed to parse (bad UTF-8 in a string field, a corrupt message)."""
+
+    error: str
+
+
+def _lenient(parse: Callable[[bytes], T]) -> Callable[[bytes], T | _Undecodable]:
+    """A deserializer that hands parse errors to the handler instead of raising.
+
+    gRPC answers a raising deserializer with UNKNOWN; the handler answers an
+    _Undecodable with INVALID_ARGUMENT, which is what it is.
+    """
+
+    def deserialize(data: bytes) -> T | _Undecodable:
+        try:
+            return parse(data)
+        except DecodeError as e:
+            return _Undecodable(str(e))
+
+    return deserialize
+
+
+def _add_generation_service(servicer: _GenerationServicer, server: grpc.aio.Server) -> None:
+    """generation_pb2_grpc.add_GenerationServicer_to_server, with `_lenient` parsing."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=_lenient(generation_pb2.GenerateRequest.FromString),
+            response_serializer=generation_pb2.GenerateResponse.SerializeToString,
+        ),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo,
+            request_deserializer=generation_pb2.GetModelInfoRequest.FromString,
+            response_serializer=generation_pb2.ModelInfo.SerializeToString,
+        ),
+    }
+    name = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
 
 
 class _GenerationServicer(generation_pb2_grpc.GenerationServicer):

@@ -14,6 +14,29 @@ On Kubernetes (deploy/k8s) the launcher dials a KubeRay cluster through Ray Clie
 (`--ray-address ray://HEAD:10001`), pins each worker to a pod of its pool's worker
 group (`--pool-resources`) and tells the workers the router's pod IP
 (`--advertise-host`); see deploy/README.md.
+
+Stopping. SIGTERM (Kubernetes, systemd) and Ctrl-C drain: the router stops admitting
+(new requests: UNAVAILABLE "router is shutting down"; health: NOT_SERVING), the
+streams in flight get `--shutdown-grace-s` to finish (the rest end UNAVAILABLE; a
+second signal ends the grace at once), the workers this process owns say Goodbye
+(router and Redis registry) and stop, Ray shuts down, and the process exits 0. The
+handlers are installed after `ray.init`, which sets its own SIGTERM handler (exit at
+once), and put back when the launcher returns.
+
+Restarting the router alone (a rollout of the router's Deployment). With
+`--detach-workers` the workers are detached, named Ray actors
+(`pagedserve-prefill-0`, ... in Ray namespace `--ray-namespace`): they outlive the
+launcher, which then only drains its router on SIGTERM. The next launcher started
+with the same options attaches to the running workers by name instead of starting
+new ones (same worker ids, no model reload); they register with its router by their
+next heartbeats, since they keep dialing the address they were given: that address
+must therefore outlive the router (a fixed host:port on one machine; on Kubernetes a
+Service name as `--advertise-host`, which gRPC resolves again on reconnecting; with
+`--redis-url` the Redis registry carries them regardless). Leases that the dead
+router's requests left open are freed by the workers after their TTL
+(`--lease-ttl-s`); its open streams were cancelled with its connections, so their
+blocks are already back. It needs a Ray cluster that outlives the launcher
+(`--ray-address`); `pagedserve down --ray-address ...` stops detached workers.
 """
 
 from __future__ import annotations
@@ -21,7 +44,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,6 +55,7 @@ from pagedserve.common.config import CacheConfig, EngineConfig, GiB, SchedulerCo
 from pagedserve.common.worker import WorkerConfig
 
 logger = logging.getLogger("pagedserve.launch")
+ACTOR_PREFIX = "pagedserve-"  # worker actors are named pagedserve-prefill-0, ...
 
 
 @dataclass
@@ -52,6 +78,10 @@ class ClusterSpec:
     kv_transport: str = "auto"
     log_level: str = "WARNING"
     router_options: dict[str, Any] = field(default_factory=dict)
+    # -- lifecycle (see the module docstring) --
+    shutdown_grace_s: float = 25.0  # under Kubernetes' default 30 s termination grace
+    detach_workers: bool = False  # workers outlive the launcher; attach to running ones
+    ray_namespace: str = "pagedserve"  # where the workers' actor names live
     # -- operations (deploy/README.md) --
     # The address workers dial for the router's Registry and PrefixIndex services; None =
     # router_host (which must then be reachable from every worker: not 0.0.0.0).
@@ -79,27 +109,45 @@ class Cluster:
 
     # -- bring-up -----------------------------------------------------------------------
 
+    def start_ray(self, progress=print) -> None:
+        """ray.init unless Ray is up (start() calls it; main() first, to set signals)."""
+        import ray
+
+        spec = self.spec
+        if spec.detach_workers and spec.ray_address is None:
+            raise ValueError(
+                "detached workers need a Ray cluster that outlives this process: "
+                "give --ray-address (e.g. auto after `ray start --head`)"
+            )
+        if ray.is_initialized():
+            return
+        progress("starting Ray ..." if spec.ray_address is None else "connecting to Ray ...")
+        if spec.ray_address is None:
+            # A private single-machine Ray, bound to loopback (see ENV notes).
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+            ray.init(
+                address="local",
+                num_cpus=spec.num_cpus,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                runtime_env={"env_vars": _worker_env()},
+                namespace=spec.ray_namespace,
+            )
+        else:
+            ray.init(
+                address=spec.ray_address,
+                logging_level=logging.WARNING,
+                namespace=spec.ray_namespace,
+            )
+        self._owns_ray = True
+
     def start(self, progress=print, timeout_s: float = 600.0) -> Cluster:
         import ray
 
         from pagedserve.router.server import RouterConfig, start_router_in_thread
 
         spec = self.spec
-        if not ray.is_initialized():
-            progress("starting Ray ...")
-            if spec.ray_address is None:
-                # A private single-machine Ray, bound to loopback (see ENV notes).
-                os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-                ray.init(
-                    address="local",
-                    num_cpus=spec.num_cpus,
-                    include_dashboard=False,
-                    logging_level=logging.WARNING,
-                    runtime_env={"env_vars": _worker_env()},
-                )
-            else:
-                ray.init(address=spec.ray_address, logging_level=logging.WARNING)
-            self._owns_ray = True
+        self.start_ray(progress)
         progress("starting the router ...")
         self.router = start_router_in_thread(
             RouterConfig(
@@ -129,8 +177,11 @@ class Cluster:
         t0 = time.monotonic()
         for actor in self.prefill + self.decode:
             remaining = max(1.0, timeout_s - (time.monotonic() - t0))
-            address = ray.get(actor.address.remote(), timeout=remaining)
-            progress(f"  worker up at {address} ({time.monotonic() - t0:.0f} s)")
+            info = ray.get(actor.describe.remote(), timeout=remaining)
+            self._check_attached(info)
+            progress(
+                f"  worker {info['worker_id']} up at {info['address']} ({time.monotonic() - t0:.0f} s)"
+            )
         self.wait_registered(timeout_s=30.0)
         progress("cluster ready")
         return self
@@ -159,16 +210,36 @@ class Cluster:
             index_address=None if spec.redis_url else self.router_address_for_workers,
             metrics_port=self._worker_metrics_port(pool, index),
         )
+        # Detached: the actor outlives this driver, and a running one of that name is
+        # attached to (get_if_exists: its constructor does not run again).
+        detached = {"lifetime": "detached", "get_if_exists": True} if spec.detach_workers else {}
         remote_cls = ray.remote(cls).options(
-            name=f"pagedserve-{pool}-{index}",
+            name=f"{ACTOR_PREFIX}{pool}-{index}",
             max_restarts=-1,  # Ray restarts a dead worker; it re-registers by heartbeat
             max_task_retries=0,
             max_concurrency=8,
             num_cpus=0,  # torch threads are set by EngineConfig.num_threads instead
             num_gpus=spec.gpus_per_worker,
             resources={f"pagedserve_{pool}": 1} if spec.pool_resources else None,
+            **detached,
         )
         return remote_cls.remote(cfg, spec.log_level)
+
+    def _check_attached(self, info: dict[str, Any]) -> None:
+        """A worker must dial this router and serve its model (an attached one may not)."""
+        want = self.router_address_for_workers
+        problems = []
+        if info["registry_address"] != want:
+            problems.append(f"it dials the router at {info['registry_address']}, not {want}")
+        if info["model"] != self.spec.model:
+            problems.append(f"it serves {info['model']}, not {self.spec.model}")
+        if problems:
+            raise RuntimeError(
+                f"running worker {info['worker_id']} does not fit this router: "
+                f"{'; '.join(problems)}. Start the router with the options the workers "
+                "were started with (a stable --advertise-host and --port), or stop them "
+                "first with `pagedserve down`"
+            )
 
     @property
     def router_address_for_workers(self) -> str:
@@ -202,27 +273,54 @@ class Cluster:
 
     # -- tear-down ----------------------------------------------------------------------
 
-    def stop(self) -> None:
+    def end_grace(self) -> None:
+        """Ends the router's drain grace period now (safe from a signal handler)."""
+        if self.router is not None:
+            self.router.end_grace()
+
+    def stop(self, grace_s: float | None = None, progress=lambda _msg: None) -> None:
+        """Drains the router (`grace_s`, default spec.shutdown_grace_s), then stops the
+        workers this process owns (not detached ones), the router and Ray.
+
+        The workers stop while the router still serves, so that their Goodbye reaches
+        it (and their Redis tombstone is written) before it goes.
+        """
         import ray
 
-        for actor in self.prefill + self.decode:
-            try:
-                ray.get(actor.stop.remote(), timeout=10)
-            except Exception as e:  # already dead: nothing to stop
-                logger.debug("stopping an actor failed: %s", e)
-            ray.kill(actor, no_restart=True)
+        grace = self.spec.shutdown_grace_s if grace_s is None else grace_s
+        if self.router is not None:
+            cut = self.router.drain(grace)
+            progress(f"router drained ({cut} stream(s) cut at the grace period)")
+        if self.spec.detach_workers:
+            if self.prefill or self.decode:
+                progress("leaving the detached workers running")
+        else:
+            stop_workers(self.prefill + self.decode)
         self.prefill, self.decode = [], []
         if self.router is not None:
             self.router.stop()
             self.router = None
         if self._owns_ray:
             ray.shutdown()
+            self._owns_ray = False
 
     def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def stop_workers(actors: list[Any]) -> None:
+    """Stops worker actors for good: Goodbye to the registries, then no restart."""
+    import ray
+
+    for actor in actors:
+        try:
+            ray.get(actor.stop.remote(), timeout=10)
+        except Exception as e:  # already dead: nothing to stop
+            logger.debug("stopping an actor failed: %s", e)
+        ray.kill(actor, no_restart=True)
 
 
 def advertised_address(bound: str, advertise_host: str | None) -> str:
@@ -286,12 +384,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--demo", default=None, metavar="MESSAGE", help="answer one chat message, then stop"
     )
     p.add_argument("--max-tokens", type=int, default=64, help="for --demo")
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=ClusterSpec.shutdown_grace_s,
+        help="on SIGTERM/Ctrl-C: seconds the streams in flight get to finish",
+    )
+    p.add_argument(
+        "--detach-workers",
+        action="store_true",
+        help="workers outlive this process (detached Ray actors); reuse running ones on start",
+    )
+    p.add_argument("--ray-namespace", default=ClusterSpec.ray_namespace)
+    p.add_argument(
+        "--lease-ttl-s",
+        type=float,
+        default=ClusterSpec.lease_ttl_s,
+        help="exported KV not pulled within this is freed (e.g. its router died)",
+    )
     p.add_argument("--log-level", default="WARNING")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.detach_workers and (args.ray_address is None or args.port == 0):
+        # Detached workers must outlive this process (so must their Ray cluster) and
+        # find the next router where they found this one.
+        parser.error("--detach-workers needs --ray-address (a Ray cluster) and a fixed --port")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
     progress = _progress_printer()
     from pagedserve.common.loader import is_default_model, resolve_model_dir
@@ -323,20 +444,119 @@ def main(argv: list[str] | None = None) -> int:
         router_metrics_port=args.metrics_port,
         worker_metrics_port=args.worker_metrics_port,
         pool_resources=args.pool_resources,
+        shutdown_grace_s=args.shutdown_grace_s,
+        detach_workers=args.detach_workers,
+        ray_namespace=args.ray_namespace,
+        lease_ttl_s=args.lease_ttl_s,
     )
     cluster = Cluster(spec)
+    signals = StopSignals()
     try:
+        cluster.start_ray(progress)
+        signals.install()  # after ray.init, which installs its own SIGTERM handler
         cluster.start(progress=progress)
         if args.demo is not None:
             return _demo(cluster.address, args.demo, args.max_tokens)
         print(f"pagedserve serving on {cluster.address}  (Ctrl-C to stop)", flush=True)
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
+        signum = signals.wait(on_again=cluster.end_grace)
+        progress(
+            f"{signal.Signals(signum).name}: draining (up to {spec.shutdown_grace_s:g} s for "
+            "the streams in flight; signal again to end them now) ..."
+        )
+        return 0
+    except StopRequested as e:  # a signal while starting up: nothing in flight yet
+        progress(f"{signal.Signals(e.signum).name} while starting up")
         return 0
     finally:
         progress("stopping ...")
-        cluster.stop()
+        try:
+            cluster.stop(progress=progress)
+        finally:
+            signals.restore()
+        progress("stopped")
+
+
+class StopRequested(Exception):
+    """Raised by StopSignals' handler while the launcher is still starting up."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGTERM and SIGINT as a request to stop, for the main thread.
+
+    Before `wait()` (starting up) a signal raises StopRequested where the main thread
+    is; during `wait()` the first one returns from it, and later ones call `on_again`
+    (end the drain's grace period now). `restore()` puts back the handlers found by
+    `install()` (after ray.init: Ray's own, which exits at once). Python's handler
+    also replaces the C-level one Ray's core worker installs, so no stack dump.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self._previous: dict[int, Any] = {}
+        self._received: int | None = None
+        self._waiting = False
+        self._on_again = None
+        self._event = threading.Event()
+
+    def install(self) -> None:
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if self._received is None:
+            self._received = signum
+            if not self._waiting:
+                raise StopRequested(signum)
+            self._event.set()
+        elif self._on_again is not None:
+            self._on_again()
+
+    def wait(self, on_again=None) -> int:
+        """Blocks until a signal; returns its number."""
+        self._on_again = on_again
+        self._waiting = True
+        if self._received is not None:
+            return self._received
+        while not self._event.wait(1.0):  # wakes for signals (handlers run between waits)
+            pass
+        assert self._received is not None
+        return self._received
+
+
+def down_main(argv: list[str] | None = None) -> int:
+    """`pagedserve down`: stops the detached workers of `pagedserve up --detach-workers`.
+
+    Each says Goodbye (router, Redis registry) and its actor is killed for good. The
+    router, if one runs, keeps serving (with no workers) until it is stopped itself.
+    """
+    p = argparse.ArgumentParser(prog="pagedserve down", description=down_main.__doc__)
+    p.add_argument("--ray-address", default="auto", help="the Ray cluster the workers run in")
+    p.add_argument("--ray-namespace", default=ClusterSpec.ray_namespace)
+    args = p.parse_args(argv)
+    import ray
+
+    ray.init(address=args.ray_address, namespace=args.ray_namespace, logging_level=logging.WARNING)
+    try:
+        names = sorted(
+            n
+            for n in ray.util.list_named_actors(all_namespaces=False)
+            if n.startswith(ACTOR_PREFIX)
+        )
+        stop_workers([ray.get_actor(n) for n in names])
+    finally:
+        ray.shutdown()
+    print(f"stopped {len(names)} worker(s){': ' if names else ''}{', '.join(names)}", flush=True)
+    return 0
 
 
 def _demo(address: str, message: str, max_tokens: int) -> int:

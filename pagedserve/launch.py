@@ -81,7 +81,9 @@ class ClusterSpec:
     # -- lifecycle (see the module docstring) --
     shutdown_grace_s: float = 25.0  # under Kubernetes' default 30 s termination grace
     detach_workers: bool = False  # workers outlive the launcher; attach to running ones
-    ray_namespace: str = "pagedserve"  # where the workers' actor names live
+    # Where detached workers' actor names live. Owned workers keep the driver's own
+    # anonymous namespace, so that two launchers can share one Ray cluster.
+    ray_namespace: str = "pagedserve"
     # -- operations (deploy/README.md) --
     # The address workers dial for the router's Registry and PrefixIndex services; None =
     # router_host (which must then be reachable from every worker: not 0.0.0.0).
@@ -121,6 +123,7 @@ class Cluster:
             )
         if ray.is_initialized():
             return
+        namespace = spec.ray_namespace if spec.detach_workers else None
         progress("starting Ray ..." if spec.ray_address is None else "connecting to Ray ...")
         if spec.ray_address is None:
             # A private single-machine Ray, bound to loopback (see ENV notes).
@@ -131,13 +134,13 @@ class Cluster:
                 include_dashboard=False,
                 logging_level=logging.WARNING,
                 runtime_env={"env_vars": _worker_env()},
-                namespace=spec.ray_namespace,
+                namespace=namespace,
             )
         else:
             ray.init(
                 address=spec.ray_address,
                 logging_level=logging.WARNING,
-                namespace=spec.ray_namespace,
+                namespace=namespace,
             )
         self._owns_ray = True
 
@@ -212,7 +215,9 @@ class Cluster:
         )
         # Detached: the actor outlives this driver, and a running one of that name is
         # attached to (get_if_exists: its constructor does not run again).
-        detached = {"lifetime": "detached", "get_if_exists": True} if spec.detach_workers else {}
+        detached = {}
+        if spec.detach_workers:
+            detached = dict(lifetime="detached", get_if_exists=True, namespace=spec.ray_namespace)
         remote_cls = ray.remote(cls).options(
             name=f"{ACTOR_PREFIX}{pool}-{index}",
             max_restarts=-1,  # Ray restarts a dead worker; it re-registers by heartbeat

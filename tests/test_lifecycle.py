@@ -29,13 +29,14 @@ import pytest
 from builders import tiny_checkpoint
 from fixtures_redis import free_port
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from router_fixtures import ROUTER_CONFIG, start_cluster, wait_for
+from router_fixtures import ROUTER_CONFIG, start_cluster, tiny_engine_config, wait_for
 
 from pagedserve.common.protocol import sampling_to_pb
 from pagedserve.common.sampling_params import SamplingParams
 from pagedserve.common.worker import WorkerConfig
 from pagedserve.router.client import build_request
 from pagedserve.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pagedserve.worker import start_worker
 
 REPO = Path(__file__).resolve().parents[1]
 SLOW_READER = [("grpc.http2.lookahead_bytes", 1), ("grpc.http2.bdp_probe", 0)]
@@ -122,6 +123,86 @@ def test_drain_finishes_streams_refuses_new_cuts_late_ones_and_frees_blocks():
         assert c.router.call(lambda r: r.counters["refused_draining"]) == 1
     finally:
         c.stop()
+
+
+# -- python -m pagedserve.router, workers on their own -----------------------------------
+
+
+def start_router_process(workdir: Path, name: str, port: int) -> subprocess.Popen:
+    args = ["--model", str(tiny_checkpoint("llama")), "--port", str(port)]
+    args += ["--shutdown-grace-s", "10", "--worker-timeout-s", "30", "--log-level", "WARNING"]
+    with open(workdir / f"{name}.err", "w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "pagedserve.router", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            cwd=REPO,
+            start_new_session=True,
+        )
+
+
+def serving(address: str) -> bool:
+    try:
+        return health(address) == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def test_standalone_router_drains_and_its_workers_join_the_next_one(tmp_path):
+    """Workers started on their own (not by the router) outlive it: a new router on
+    the same address gets their heartbeats, and what the old one left open returns."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    routers = [start_router_process(tmp_path, "router-1", port)]
+    workers = []
+    try:
+        for wid, pool in (("p0", "prefill"), ("d0", "decode")):
+            cfg = WorkerConfig(
+                worker_id=wid,
+                pool=pool,
+                engine=tiny_engine_config(),
+                registry_address=address,
+                index_address=address,
+                heartbeat_interval_s=0.2,
+                lease_ttl_s=2.0,
+            )
+            workers.append(start_worker(cfg))
+        wait_for(lambda: serving(address), timeout=120, what="router 1 to route")
+        stream = Stream(address, seed=4)
+        orphan_lease(workers[0].address)  # the router dies before anyone pulls it
+        routers[0].send_signal(signal.SIGTERM)
+        wait_for(lambda: health(address) == NOT_SERVING, timeout=30, what="NOT_SERVING")
+        e = refused_while_draining(address)
+        assert e.code() == grpc.StatusCode.UNAVAILABLE and SHUTTING_DOWN in e.details()
+        assert stream.rest() == MAX_TOKENS
+        assert routers[0].wait(timeout=60) == 0
+        err = (tmp_path / "router-1.err").read_text()
+        assert "Traceback" not in err, err
+
+        routers.append(start_router_process(tmp_path, "router-2", port))
+        wait_for(lambda: serving(address), timeout=120, what="the workers to join router 2")
+        assert generate(address, seed=5) == 8
+        wait_for(
+            lambda: all(
+                w.loop.call(lambda e: e.block_manager.usage()) == 0 and not w.kv_source.open_leases
+                for w in workers
+            ),
+            timeout=20,
+            what="blocks and leases to return",
+        )
+        assert workers[0].kv_source.expired_total == 1  # the orphan lease, by its TTL
+        for w in workers:
+            w.check_integrity()
+        routers[1].send_signal(signal.SIGTERM)
+        assert routers[1].wait(timeout=60) == 0
+    finally:
+        for w in workers:
+            w.stop(grace=0.5)
+        for r in routers:
+            if r.poll() is None:
+                r.kill()
+                r.wait(30)
 
 
 # -- `pagedserve up` as a subprocess ------------------------------------------------------

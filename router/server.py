@@ -257,10 +257,12 @@ class Router:
         cut = list(self._streams)
         if cut:
             logger.warning("shutdown grace period over: ending %d stream(s) UNAVAILABLE", len(cut))
-            self._cut_message = (
-                f"{SHUTTING_DOWN}: the stream did not finish within its {grace_s:g} s "
-                "shutdown grace period; retry on another replica"
+            why = (
+                "the shutdown grace period was ended early (a second stop signal)"
+                if self._end_grace.is_set()
+                else f"the stream did not finish within its {grace_s:g} s shutdown grace period"
             )
+            self._cut_message = f"{SHUTTING_DOWN}: {why}; retry on another replica"
             for task in cut:
                 task.cancel()
             await asyncio.wait(cut, timeout=2.0)  # a client that does not read holds its task

@@ -319,8 +319,13 @@ def tiny_args(*extra: str) -> list[str]:
     ]
 
 
-def test_sigterm_drains_in_flight_streams_and_exits_0(launch):
-    up = launch("up", tiny_args("--port", "0", "--shutdown-grace-s", "8"))
+def test_sigterm_drains_in_flight_streams_and_exits_0(launch, redis_server_factory):
+    from pagedserve.common.prefix_index.worker_registry import TOMBSTONE, RedisWorkerRegistry
+
+    redis_url = redis_server_factory.start().url
+    up = launch(
+        "up", tiny_args("--port", "0", "--shutdown-grace-s", "120", "--redis-url", redis_url)
+    )
     address = up.wait_serving()
     assert len(up.started) > 3, "expected Ray's daemons and two workers under the launcher"
     done, late = Stream(address, seed=1), Stream(address, seed=2)
@@ -329,14 +334,22 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(launch):
     e = refused_while_draining(address)
     assert e.code() == grpc.StatusCode.UNAVAILABLE and SHUTTING_DOWN in e.details()
     assert done.rest() == MAX_TOKENS  # the stream in flight completes in full
-    # The other stream's client never reads: the grace period ends it.
+    # The other stream's client does not read; a second SIGTERM ends the grace period
+    # (120 s) now, and with it that stream.
+    up.proc.send_signal(signal.SIGTERM)
     wait_for(lambda: "grace period over" in up.stderr(), timeout=60, what="the grace to end")
     with pytest.raises(grpc.RpcError) as cut:
         late.rest()
     assert cut.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "8 s shutdown grace period" in cut.value.details()
+    assert "grace period was ended early" in cut.value.details()
     assert_clean_exit(up, up.wait_exit())
     assert "SIGTERM: draining" in up.stderr()
+    # The workers said goodbye: their Redis registry entries are tombstones.
+    registry = RedisWorkerRegistry(redis_url)
+    try:
+        assert registry.read() == {"prefill-0": TOMBSTONE, "decode-0": TOMBSTONE}
+    finally:
+        registry.close()
 
 
 def test_ctrl_c_drains_too(launch):

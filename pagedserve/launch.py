@@ -185,7 +185,10 @@ class Cluster:
             progress(
                 f"  worker {info['worker_id']} up at {info['address']} ({time.monotonic() - t0:.0f} s)"
             )
-        self.wait_registered(timeout_s=30.0)
+        # Attached workers may have been failing to reach a dead router for a while:
+        # their heartbeat channel then retries on gRPC's reconnect backoff (up to 120 s,
+        # +-20% jitter) before it finds this one.
+        self.wait_registered(timeout_s=180.0 if spec.detach_workers else 30.0)
         progress("cluster ready")
         return self
 

@@ -48,6 +48,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -144,7 +145,18 @@ class Cluster:
             )
         self._owns_ray = True
 
-    def start(self, progress=print, timeout_s: float = 600.0) -> Cluster:
+    def start(
+        self,
+        progress=print,
+        timeout_s: float = 600.0,
+        interrupted: Callable[[], bool] = lambda: False,
+    ) -> Cluster:
+        """Starts the router and the workers; returns once the router routes to them.
+
+        `interrupted` is polled about once a second while waiting for the workers (a
+        stop signal's flag): True raises StopRequested. (Raising from the signal
+        handler itself is unsafe: it can land inside Ray's Cython code.)
+        """
         import ray
 
         from pagedserve.router.server import RouterConfig, start_router_in_thread
@@ -179,8 +191,13 @@ class Cluster:
             self.decode.append(self._spawn("decode", i))
         t0 = time.monotonic()
         for actor in self.prefill + self.decode:
-            remaining = max(1.0, timeout_s - (time.monotonic() - t0))
-            info = ray.get(actor.describe.remote(), timeout=remaining)
+            ref = actor.describe.remote()
+            while not ray.wait([ref], timeout=1.0)[0]:
+                if interrupted():
+                    raise StopRequested
+                if time.monotonic() - t0 > timeout_s:
+                    raise TimeoutError(f"a worker did not start within {timeout_s:g} s")
+            info = ray.get(ref)
             self._check_attached(info)
             progress(
                 f"  worker {info['worker_id']} up at {info['address']} ({time.monotonic() - t0:.0f} s)"
@@ -188,7 +205,9 @@ class Cluster:
         # Attached workers may have been failing to reach a dead router for a while:
         # their heartbeat channel then retries on gRPC's reconnect backoff (up to 120 s,
         # +-20% jitter) before it finds this one.
-        self.wait_registered(timeout_s=180.0 if spec.detach_workers else 30.0)
+        self.wait_registered(
+            timeout_s=180.0 if spec.detach_workers else 30.0, interrupted=interrupted
+        )
         progress("cluster ready")
         return self
 
@@ -262,7 +281,9 @@ class Cluster:
         k = index if pool == "prefill" else self.spec.num_prefill + index
         return base + k
 
-    def wait_registered(self, timeout_s: float = 30.0) -> None:
+    def wait_registered(
+        self, timeout_s: float = 30.0, interrupted: Callable[[], bool] = lambda: False
+    ) -> None:
         """Until the router routes to every worker (its registry saw their heartbeats)."""
         want = {f"prefill-{i}" for i in range(self.spec.num_prefill)}
         want |= {f"decode-{i}" for i in range(self.spec.num_decode)}
@@ -270,6 +291,8 @@ class Cluster:
         while time.monotonic() < deadline:
             if want <= set(self.router.live_worker_ids()):
                 return
+            if interrupted():
+                raise StopRequested
             time.sleep(0.1)
         raise TimeoutError(
             f"workers {sorted(want - set(self.router.live_worker_ids()))} never registered"
@@ -462,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster.start_ray(progress)
         signals.install()  # after ray.init, which installs its own SIGTERM handler
-        cluster.start(progress=progress)
+        cluster.start(progress=progress, interrupted=signals.requested)
         if args.demo is not None:
             return _demo(cluster.address, args.demo, args.max_tokens)
         print(f"pagedserve serving on {cluster.address}  (Ctrl-C to stop)", flush=True)
@@ -472,8 +495,8 @@ def main(argv: list[str] | None = None) -> int:
             "the streams in flight; signal again to end them now) ..."
         )
         return 0
-    except StopRequested as e:  # a signal while starting up: nothing in flight yet
-        progress(f"{signal.Signals(e.signum).name} while starting up")
+    except StopRequested:  # a signal while starting up: nothing in flight yet
+        progress(f"{signals.name()} while starting up")
         return 0
     finally:
         progress("stopping ...")
@@ -485,21 +508,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class StopRequested(Exception):
-    """Raised by StopSignals' handler while the launcher is still starting up."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"signal {signum}")
-        self.signum = signum
+    """A stop signal came while the launcher was still starting up."""
 
 
 class StopSignals:
     """SIGTERM and SIGINT as a request to stop, for the main thread.
 
-    Before `wait()` (starting up) a signal raises StopRequested where the main thread
-    is; during `wait()` the first one returns from it, and later ones call `on_again`
-    (end the drain's grace period now). `restore()` puts back the handlers found by
-    `install()` (after ray.init: Ray's own, which exits at once). Python's handler
-    also replaces the C-level one Ray's core worker installs, so no stack dump.
+    The handler only records: the first signal sets `requested()` (startup polls
+    it) and returns from `wait()`; later ones call `on_again` (end the drain's grace
+    period now). `restore()` puts back the handlers found by `install()` (after
+    ray.init: Ray's own, which exits at once). Python's handler also replaces the
+    C-level one Ray's core worker installs, so no stack dump.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -507,8 +526,7 @@ class StopSignals:
     def __init__(self) -> None:
         self._previous: dict[int, Any] = {}
         self._received: int | None = None
-        self._waiting = False
-        self._on_again = None
+        self._on_again: Callable[[], None] | None = None
         self._event = threading.Event()
 
     def install(self) -> None:
@@ -523,18 +541,19 @@ class StopSignals:
     def _handle(self, signum: int, _frame: object) -> None:
         if self._received is None:
             self._received = signum
-            if not self._waiting:
-                raise StopRequested(signum)
             self._event.set()
         elif self._on_again is not None:
             self._on_again()
 
-    def wait(self, on_again=None) -> int:
+    def requested(self) -> bool:
+        return self._received is not None
+
+    def name(self) -> str:
+        return "no signal" if self._received is None else signal.Signals(self._received).name
+
+    def wait(self, on_again: Callable[[], None] | None = None) -> int:
         """Blocks until a signal; returns its number."""
         self._on_again = on_again
-        self._waiting = True
-        if self._received is not None:
-            return self._received
         while not self._event.wait(1.0):  # wakes for signals (handlers run between waits)
             pass
         assert self._received is not None

@@ -365,6 +365,16 @@ def test_ctrl_c_drains_too(launch):
     assert "SIGINT: draining" in up.stderr()
 
 
+def test_sigterm_while_workers_start_exits_0(launch):
+    up = launch("up", tiny_args("--port", "0"))
+    # Workers start in new processes that import torch and load the model: seconds.
+    wait_for(lambda: "loading the model" in up.stderr(), timeout=120, what="workers to start")
+    up.started = [psutil.Process(up.proc.pid), *up.descendants()]
+    up.proc.send_signal(signal.SIGTERM)
+    assert_clean_exit(up, up.wait_exit())
+    assert "SIGTERM while starting up" in up.stderr()
+
+
 # -- the router restarts alone; detached workers stay ------------------------------------
 
 

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shutdown-grace-s",
         type=float,
-        default=30.0,
+        default=25.0,
         help="on SIGTERM/Ctrl-C: seconds the streams in flight get to finish",
     )
     p.add_argument("--log-level", default="INFO")

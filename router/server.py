@@ -863,13 +863,15 @@ def start_router_in_thread(
 
 
 async def serve(
-    config: RouterConfig, policy: RoutingPolicy | None = None, shutdown_grace_s: float = 30.0
+    config: RouterConfig, policy: RoutingPolicy | None = None, shutdown_grace_s: float = 25.0
 ) -> None:
     """Runs a router until SIGTERM or SIGINT (python -m pagedserve.router), then drains.
 
     The first signal drains (Router.drain: `shutdown_grace_s` for the streams in
     flight), a second one ends the grace period at once. Signals are only handled on
-    the main thread; elsewhere (and also there) cancelling the task stops the router.
+    the main thread; elsewhere (and also there) cancelling the task, or stopping the
+    router, ends it too. The default grace stays under Kubernetes' default 30 s
+    termination grace period.
     """
     router = Router(config, policy)
     await router.start()
@@ -887,10 +889,16 @@ async def serve(
             loop.add_signal_handler(sig, on_signal)
     else:
         signals = []
+    waiters = {
+        asyncio.ensure_future(stop_requested.wait()),
+        asyncio.ensure_future(router.wait_stopped()),
+    }
     try:
-        await stop_requested.wait()
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         logger.info("stop requested: draining for up to %g s", shutdown_grace_s)
     finally:
+        for waiter in waiters:
+            waiter.cancel()
         await router.stop(shutdown_grace_s)
         for sig in signals:
             loop.remove_signal_handler(sig)

@@ -1,6 +1,7 @@
 """The `pagedserve` command line.
 
     pagedserve up --prefill 1 --decode 1        # the cluster (see pagedserve/launch.py)
+    pagedserve down --ray-address auto          # stop the workers of `up --detach-workers`
     pagedserve generate "The capital of France is" --max-tokens 16 --temperature 0
     pagedserve generate --chat "What is the capital of France?"
     pagedserve chat --system "You are concise."  # interactive; streams tokens as they come
@@ -29,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         from pagedserve import launch
 
         return launch.main(argv[1:])
+    if argv and argv[0] == "down":
+        from pagedserve import launch
+
+        return launch.down_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.cmd == "generate":
         return generate(args)
@@ -41,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("up", help="start a router and Ray-managed workers (pagedserve up --help)")
+    sub.add_parser("down", help="stop the workers of `pagedserve up --detach-workers`")
     gen = sub.add_parser("generate", help="complete one prompt, streaming the text")
     gen.add_argument("prompt", help="the text to continue (a user message with --chat)")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a chat message")

@@ -55,6 +55,19 @@ class WorkerActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def describe(self) -> dict[str, str | int | None]:
+        """Who this worker is and whom it reports to: the launcher checks a running
+        (detached) worker against its own options before attaching to it."""
+        return {
+            "worker_id": self.config.worker_id,
+            "pool": self.config.pool,
+            "address": self.runtime.address,
+            "registry_address": self.config.registry_address,
+            "redis_url": self.config.redis_url,
+            "model": self.config.engine.model,
+            "pid": os.getpid(),
+        }
+
     def stats(self) -> bytes:
         """WorkerStats, serialized (protobuf messages do not pickle across Ray)."""
         return self.runtime.stats().SerializeToString()

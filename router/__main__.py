@@ -2,6 +2,12 @@
 
 Workers join it by heartbeat (WorkerConfig.registry_address = this address). The
 launcher (`pagedserve up`) runs the same router in its own process instead.
+
+SIGTERM or Ctrl-C drains (router/server.py `Router.drain`): new requests get
+UNAVAILABLE, health reports NOT_SERVING, the streams in flight get
+`--shutdown-grace-s` to finish (a second signal ends the grace at once); then the
+process exits 0. Workers outlive it and register again with whichever router next
+serves at the address they dial.
 """
 
 from __future__ import annotations
@@ -10,7 +16,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import sys
 
 from pagedserve.router.config import DEFAULT_PORT, PrefixRouting, RouterConfig
@@ -44,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 = any free)"
     )
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=25.0,
+        help="on SIGTERM/Ctrl-C: seconds the streams in flight get to finish",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -72,17 +83,10 @@ def main(argv: list[str] | None = None) -> int:
             transfer_bytes_per_s=args.transfer_bytes_per_s,
         ),
     )
-    # Ctrl-C (asyncio.run cancels the task) and SIGTERM both stop the router cleanly.
+    # serve() handles SIGTERM and SIGINT itself (drain, then return).
     with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
-        asyncio.run(_serve_until_signalled(config))
+        asyncio.run(serve(config, shutdown_grace_s=args.shutdown_grace_s))
     return 0
-
-
-async def _serve_until_signalled(config: RouterConfig) -> None:
-    task = asyncio.current_task()
-    assert task is not None
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-    await serve(config)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -151,6 +152,7 @@ _FAILED = {
     grpc.StatusCode.CANCELLED,
 }
 _REFUSED = grpc.StatusCode.RESOURCE_EXHAUSTED
+SHUTTING_DOWN = "router is shutting down"  # UNAVAILABLE while draining (Router.drain)
 
 
 def default_policy(config: RouterConfig) -> RoutingPolicy:
@@ -217,6 +219,12 @@ class Router:
         self._stopped: asyncio.Event | None = None
         self._sweeper: asyncio.Task | None = None
         self._poller: asyncio.Task | None = None
+        # Graceful shutdown (drain()): Generate handlers in flight, and whether the grace
+        # period is over (their cancellation then ends them UNAVAILABLE, not CANCELLED).
+        self.draining = False
+        self._streams: set[asyncio.Task] = set()
+        self._cut_message: str | None = None
+        self._end_grace: asyncio.Event | None = None
         self.registry.listeners.append(self._on_membership_change)
         self.registry.drop_listeners.append(self._on_worker_left)
         self.metrics = RouterMetrics(self)  # served by start() when config.metrics_port is set
@@ -226,6 +234,7 @@ class Router:
     async def start(self) -> str:
         """Binds and starts serving; returns host:port."""
         self._stopped = asyncio.Event()
+        self._end_grace = asyncio.Event()
         self._health_lock = asyncio.Lock()
         # The public server receives what the largest valid request needs, no more.
         limit = self.frontend.max_request_bytes()
@@ -273,11 +282,59 @@ class Router:
         )
         return self.address
 
+    async def drain(self, grace_s: float) -> int:
+        """Stops admitting, lets the streams in flight finish; returns how many were cut.
+
+        At once: new Generate calls end UNAVAILABLE ("router is shutting down") and every
+        health service reports NOT_SERVING, so load balancers and clients go elsewhere,
+        while this server keeps answering health checks, heartbeats and the streams in
+        flight. Streams still open after `grace_s` seconds (or at `end_grace()`: a second
+        signal) end UNAVAILABLE with a message that says so; their downstream calls are
+        cancelled with them, so the workers free their blocks.
+        """
+        if not self.draining:
+            self.draining = True
+            logger.info("draining: %d stream(s) in flight, grace %g s", len(self._streams), grace_s)
+            await self.health.enter_graceful_shutdown()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        assert self._end_grace is not None, "start() first"
+        grace_ended = asyncio.ensure_future(self._end_grace.wait())
+        try:
+            while self._streams and not grace_ended.done() and loop.time() < deadline:
+                await asyncio.wait(
+                    {*self._streams, grace_ended},
+                    timeout=deadline - loop.time(),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+        finally:
+            grace_ended.cancel()
+        cut = list(self._streams)
+        if cut:
+            logger.warning("shutdown grace period over: ending %d stream(s) UNAVAILABLE", len(cut))
+            why = (
+                "the shutdown grace period was ended early (a second stop signal)"
+                if self._end_grace.is_set()
+                else f"the stream did not finish within its {grace_s:g} s shutdown grace period"
+            )
+            self._cut_message = f"{SHUTTING_DOWN}: {why}; retry on another replica"
+            for task in cut:
+                task.cancel()
+            await asyncio.wait(cut, timeout=2.0)  # a client that does not read holds its task
+        return len(cut)
+
+    def end_grace(self) -> None:
+        """Ends a drain's grace period now (call on the router's loop)."""
+        if self._end_grace is not None:
+            self._end_grace.set()
+
     async def stop(self, grace: float = 1.0) -> None:
+        """Drains (`grace` seconds for the streams in flight), then stops serving."""
+        if self.server is not None:
+            await self.drain(grace)
         for task in (self._sweeper, self._poller):
             if task is not None:
                 task.cancel()
-        await self.health.enter_graceful_shutdown()
         if self.server is not None:
             await self.server.stop(grace)
         if self._background:
@@ -1138,11 +1195,26 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.router = router
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
-        # grpc.aio needs an async generator function here, not one returning a generator.
-        responses = self.router.metrics.track(self.router.generate(request, context), context)
-        async with contextlib.aclosing(responses) as responses:
-            async for response in responses:
-                yield response
+        router = self.router
+        if router.draining:  # admission is closed: nothing was done, another replica can
+            router.counters["refused_draining"] += 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{SHUTTING_DOWN}; retry elsewhere")
+        task = asyncio.current_task()
+        assert task is not None
+        router._streams.add(task)
+        responses = router.metrics.track(router.generate(request, context), context)
+        # context.write, not yield: a drain that cancels this task past its grace period
+        # interrupts the write here, where it can end the call UNAVAILABLE.
+        try:
+            async with contextlib.aclosing(responses) as responses:
+                async for response in responses:
+                    await context.write(response)
+        except asyncio.CancelledError:
+            if router._cut_message is None:
+                raise  # the client left
+            await context.abort(grpc.StatusCode.UNAVAILABLE, router._cut_message)
+        finally:
+            router._streams.discard(task)
 
     async def GetModelInfo(self, request, context):  # noqa: N802
         return self.router.frontend.model_info(self.router.registry.block_size())
@@ -1194,10 +1266,23 @@ class RouterHandle:
         """Ids of the workers the router routes to now."""
         return self.call(lambda r: sorted(w.worker_id for w in r.registry.workers()))
 
+    def drain(self, grace_s: float) -> int:
+        """Router.drain from sync code; returns how many streams were cut."""
+        if not self.thread.is_alive():
+            return 0
+        future = asyncio.run_coroutine_threadsafe(self.router.drain(grace_s), self.loop)
+        return future.result(grace_s + 15)
+
+    def end_grace(self) -> None:
+        """Ends a drain's grace period now; safe from any thread (a signal handler)."""
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.router.end_grace)
+
     def stop(self, grace: float = 1.0) -> None:
+        """Drains for up to `grace` seconds (Router.stop), then stops the thread."""
         if not self.thread.is_alive():
             return
-        asyncio.run_coroutine_threadsafe(self.router.stop(grace), self.loop).result(grace + 10)
+        asyncio.run_coroutine_threadsafe(self.router.stop(grace), self.loop).result(2 * grace + 20)
         self.thread.join(10)
 
     def __enter__(self) -> RouterHandle:
@@ -1235,11 +1320,43 @@ def start_router_in_thread(
     return RouterHandle(router, loop, thread)
 
 
-async def serve(config: RouterConfig, policy: RoutingPolicy | None = None) -> None:
-    """Runs a router until cancelled (python -m pagedserve.router)."""
+async def serve(
+    config: RouterConfig, policy: RoutingPolicy | None = None, shutdown_grace_s: float = 25.0
+) -> None:
+    """Runs a router until SIGTERM or SIGINT (python -m pagedserve.router), then drains.
+
+    The first signal drains (Router.drain: `shutdown_grace_s` for the streams in
+    flight), a second one ends the grace period at once. Signals are only handled on
+    the main thread; elsewhere (and also there) cancelling the task, or stopping the
+    router, ends it too. The default grace stays under Kubernetes' default 30 s
+    termination grace period.
+    """
     router = Router(config, policy)
     await router.start()
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop_requested.is_set():
+            router.end_grace()
+        stop_requested.set()
+
+    signals = [signal.SIGTERM, signal.SIGINT]
+    if threading.current_thread() is threading.main_thread():
+        for sig in signals:
+            loop.add_signal_handler(sig, on_signal)
+    else:
+        signals = []
+    waiters = {
+        asyncio.ensure_future(stop_requested.wait()),
+        asyncio.ensure_future(router.wait_stopped()),
+    }
     try:
-        await router.wait_stopped()
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        logger.info("stop requested: draining for up to %g s", shutdown_grace_s)
     finally:
-        await router.stop()
+        for waiter in waiters:
+            waiter.cancel()
+        await router.stop(shutdown_grace_s)
+        for sig in signals:
+            loop.remove_signal_handler(sig)

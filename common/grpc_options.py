@@ -49,6 +49,16 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_RECV_PING_INTERVAL_MS),
 ]
 
+# A worker's channel to its router (heartbeats): reconnect within a few seconds of the
+# router coming back (gRPC's default backoff grows to 120 s, so a worker could stay
+# unregistered for two minutes after a router restart).
+MAX_RECONNECT_BACKOFF_MS = 2_000
+HEARTBEAT_CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    *CHANNEL_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+]
+
 # The historical name (channels and servers used one list before keepalive).
 GRPC_OPTIONS = CHANNEL_OPTIONS
 

@@ -24,7 +24,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.engine import LLMEngine
 from pagedserve.common.engine_loop import EngineLoop
-from pagedserve.common.grpc_options import CHANNEL_OPTIONS, SERVER_OPTIONS
+from pagedserve.common.grpc_options import (
+    CHANNEL_OPTIONS,
+    HEARTBEAT_CHANNEL_OPTIONS,
+    SERVER_OPTIONS,
+)
 from pagedserve.common.loader import LoadedModel
 from pagedserve.common.prefix_index import IndexPublisher, open_prefix_index
 from pagedserve.common.prefix_index.faults import Backoff, LogLimiter
@@ -268,7 +272,9 @@ class WorkerRuntime:
         tries again; the Redis publisher backs off by itself and never raises.
         """
         address = self.config.registry_address
-        channel = grpc.insecure_channel(address) if address else None
+        channel = (
+            grpc.insecure_channel(address, options=HEARTBEAT_CHANNEL_OPTIONS) if address else None
+        )
         stub = worker_pb2_grpc.RegistryStub(channel) if channel else None
         log = LogLimiter(logger)
         while not self._stop.is_set():

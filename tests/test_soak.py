@@ -40,8 +40,10 @@ def small_cluster():
 def reference():
     llm = LLM(str(tiny_checkpoint("llama")), dtype="float32", num_blocks=64, max_model_len=256)
 
-    def greedy(prompt, sampling):
-        return llm.generate([list(prompt)], SamplingParams(**sampling))[0].completions[0].token_ids
+    def greedy(requests):
+        prompts = [list(p) for p, _ in requests]
+        params = [SamplingParams(**sampling) for _, sampling in requests]
+        return [o.completions[0].token_ids for o in llm.generate(prompts, params)]
 
     return greedy
 

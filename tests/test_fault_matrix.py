@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import random
 import subprocess
 import threading
@@ -44,7 +45,7 @@ from router_fixtures import MAX_MODEL_LEN, ROUTER_CONFIG, Cluster, tiny_engine_c
 
 from pagedserve.common.llm import LLM
 from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.common.worker import WorkerRuntime
+from pagedserve.common.worker import WorkerConfig, WorkerRuntime
 from pagedserve.kvtransfer import faults
 from pagedserve.kvtransfer.faults import CHUNK, FaultInjector, FaultSpec
 from pagedserve.router.client import Client
@@ -60,6 +61,7 @@ MAX_TOKENS = 24
 DISAGG_MIN = 8
 INDEX_TTL_S = 1.0
 WORKER_TIMEOUT_S = 2.0
+LEASE_TTL_S = 3.0  # what an unreleased lease costs here before it expires
 OK_DEADLINE_S = 30.0  # rows expected to complete
 SHORT_DEADLINE_S = 1.5  # deadline rows
 SLACK_S = 2.0  # a call must have ended by its deadline plus this
@@ -85,6 +87,10 @@ class Case:
     expect: grpc.StatusCode | None  # None: completes with the reference tokens
     names_worker: bool = False  # the status message names the failed worker
     xfail: str | None = None  # the branch (and fix) this row waits for
+    # The worker may learn that its caller left only after it exported the KV: the
+    # lease then ends by its TTL (the gap router/server.py documents). Elsewhere no
+    # lease may end by expiry: an expiry there is a leak.
+    lease_may_expire: bool = False
 
     @property
     def id(self) -> str:
@@ -102,8 +108,8 @@ MATRIX = [
     Case("prefill_killed", "importing", None),
     Case("decode_killed", "importing", None),
     Case("decode_killed", "decoding", _UNAVAILABLE, names_worker=True),
-    *(Case("cancel", phase, _CANCELLED) for phase in PHASES),
-    *(Case("deadline", phase, _DEADLINE) for phase in PHASES),
+    *(Case("cancel", p, _CANCELLED, lease_may_expire=p == "prefilling") for p in PHASES),
+    *(Case("deadline", p, _DEADLINE, lease_may_expire=p == "prefilling") for p in PHASES),
     Case("corrupt_chunk", "importing", None),
     Case("truncate_chunk", "importing", None),
     Case("drop_chunk", "importing", None),
@@ -147,14 +153,9 @@ class FaultCluster(Cluster):
         self.spawned += 1
         redis_url = self.router.router.config.redis_url
         where = {"redis_url": redis_url} if redis_url else {"index_address": self.address}
-        return self.add_worker(
-            f"{pool[0]}{self.spawned}",
-            pool,
-            index_ttl_s=INDEX_TTL_S,
-            kv_transport="grpc",
-            **where,
-            **self.worker_overrides,
-        )
+        options = dict(index_ttl_s=INDEX_TTL_S, kv_transport="grpc", lease_ttl_s=LEASE_TTL_S)
+        options.update(where, **self.worker_overrides)
+        return self.add_worker(f"{pool[0]}{self.spawned}", pool, **options)
 
     def by_address(self, address: str) -> str:
         (wid,) = [w for w, rt in self.workers.items() if rt.address == address]
@@ -209,13 +210,22 @@ def state(cluster: Cluster) -> dict[str, tuple[float, int]]:
     }
 
 
-def assert_clean(cluster: Cluster) -> None:
-    """Pools free-or-cached, no lease open, integrity on every worker, index == caches."""
+def expired_leases(cluster: Cluster) -> dict[str, int]:
+    return {wid: rt.kv_source.expired_total for wid, rt in cluster.workers.items()}
+
+
+def assert_clean(cluster: Cluster, expired_before: dict[str, int] | None = None) -> None:
+    """Pools free-or-cached, no lease open, integrity on every worker, index == caches;
+    with `expired_before`, no lease ended by expiry since then."""
     try:
-        cluster.wait_quiescent(timeout=10.0)
+        cluster.wait_quiescent(timeout=LEASE_TTL_S + 5)
     except AssertionError as e:
         raise AssertionError(f"{e}: {state(cluster)}") from None
     wait_for(lambda: index_matches(cluster), INDEX_TTL_S + 8, "the index to equal the caches")
+    if expired_before is not None:
+        now = expired_leases(cluster)
+        leaked = {w: now[w] - n for w, n in expired_before.items() if now.get(w, n) != n}
+        assert not leaked, f"leases ended by expiry (unreleased): {leaked}"
 
 
 # ---- running one request ------------------------------------------------------------------
@@ -298,6 +308,7 @@ def run_case(
 ) -> None:
     """Runs one row; the ids of the workers it killed are appended to `killed`."""
     ids = prompt(sum(map(ord, case.id)))
+    expired = expired_leases(cluster)
     chunk_fault = case.fault.endswith("_chunk")
     if chunk_fault:
         delay = case.fault == "delay_chunk"
@@ -343,7 +354,7 @@ def run_case(
     if chunk_fault and case.fault != "delay_chunk":
         assert injector.counts[case.fault] >= 1, "the fault was never injected"
     injector.spec = FaultSpec()
-    assert_clean(cluster)
+    assert_clean(cluster, None if case.lease_may_expire else expired)
 
 
 def restore(cluster: FaultCluster, killed: list[str]) -> None:
@@ -464,6 +475,7 @@ REDIS_MATRIX = [
     RedisCase("readonly", "routing", READONLY_XFAIL),
     RedisCase("readonly", "prefilling", READONLY_XFAIL),
 ]
+FAULT_WINDOW_S = 1.0  # a fault lasts at least this long after the request ended
 HUNG_S = 2.0  # CLIENT PAUSE length: four times the clients' socket timeout
 
 
@@ -519,6 +531,7 @@ def test_redis_fault_matrix(redis_cluster, redis_server, injector, llm, case):
             gate.release()
         call.join()
         assert undo is not None
+        time.sleep(FAULT_WINDOW_S)  # long enough for every worker to meet it (heartbeats)
         undo()
     assert call.code == grpc.StatusCode.OK, call.details
     assert call.tokens == reference(llm, ids)
@@ -528,3 +541,140 @@ def test_redis_fault_matrix(redis_cluster, redis_server, injector, llm, case):
     time.sleep(WORKER_TIMEOUT_S + 0.5)
     assert c.router.live_worker_ids() == sorted(c.workers)
     assert_clean(c)
+
+
+# ---- Ray: a worker actor's process killed ---------------------------------------------------
+
+RAY_MAX_TOKENS = 8
+RAY_FAULTS = {  # each actor's PAGEDSERVE_FAULTS: a window wide enough to kill it inside
+    "prefill": "delay_rpc=Prefill:3000",
+    "decode": "delay_rpc=Decode.step:150",
+}
+
+
+@dataclass
+class RayCluster:
+    router: object  # RouterHandle
+    actors: dict[str, object]  # worker id -> actor handle
+
+    @property
+    def address(self) -> str:
+        return self.router.address
+
+    def call(self, worker_id: str, fn: Callable, timeout: float = 60.0):
+        """fn(runtime) inside the actor's process."""
+        import ray
+
+        ref = self.actors[worker_id].__ray_call__.remote(lambda actor: fn(actor.runtime))
+        return ray.get(ref, timeout=timeout)
+
+
+def _actor_state(rt) -> tuple[float, int, set[bytes]]:
+    usage = rt.loop.call(lambda e: e.block_manager.usage())
+    return (
+        usage,
+        rt.kv_source.open_leases,
+        set(rt.loop.call(lambda e: e.block_manager.cached_hashes())),
+    )
+
+
+def ray_clean(c: RayCluster) -> bool:
+    """Every actor free-or-cached with no lease and its invariants, index == caches."""
+    index = c.router.call(lambda r: r.prefix.index())
+    for wid in c.actors:
+        usage, leases, hashes = c.call(wid, _actor_state)
+        if usage or leases or index.worker_hashes(wid) != hashes:
+            return False
+        c.call(wid, lambda rt: rt.check_integrity())
+    return set(index.workers()) <= set(c.actors)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    import sys
+
+    from pagedserve.decode_worker.actor import DecodeWorkerActor
+    from pagedserve.prefill_worker.actor import PrefillWorkerActor
+
+    # The functions tests run inside the actors (RayCluster.call) travel by value: the
+    # actors cannot import this test module.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    env = {k: v for k, v in os.environ.items() if k.startswith(("HF_", "TRITON", "RAY_", "OMP"))}
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
+    engine = tiny_engine_config()
+    config = dataclasses.replace(ROUTER, model=engine.model)
+    router = start_router_in_thread(config)
+    actors = {}
+    try:
+        for pool, cls in (("prefill", PrefillWorkerActor), ("decode", DecodeWorkerActor)):
+            wid = f"{pool}-0"
+            cfg = WorkerConfig(
+                worker_id=wid,
+                pool=pool,
+                engine=engine,
+                registry_address=router.address,
+                index_address=router.address,
+                index_ttl_s=INDEX_TTL_S,
+                heartbeat_interval_s=0.2,
+                kv_transport="grpc",
+                lease_ttl_s=LEASE_TTL_S,
+            )
+            actors[wid] = (
+                ray.remote(cls)
+                .options(
+                    max_restarts=-1,
+                    max_task_retries=0,
+                    max_concurrency=8,
+                    num_cpus=0,
+                    runtime_env={"env_vars": {**env, faults.ENV: RAY_FAULTS[pool]}},
+                )
+                .remote(cfg, "WARNING")
+            )
+        c = RayCluster(router, actors)
+        wait_registered(c)
+        yield c
+    finally:
+        router.stop()
+        ray.shutdown()
+
+
+def wait_registered(c: RayCluster, timeout: float = 120.0) -> None:
+    wait_for(lambda: set(c.actors) <= set(c.router.live_worker_ids()), timeout, "the actors")
+
+
+def router_inflight(c: RayCluster, worker_id: str) -> int:
+    def count(r) -> int:
+        w = r.registry.get(worker_id)
+        return 0 if w is None else w.inflight
+
+    return c.router.call(count)
+
+
+@pytest.mark.parametrize("victim", ["prefill-0", "decode-0"])
+def test_ray_actor_killed(ray_cluster, llm, victim):
+    """Ray kills a worker's process (SIGKILL) while it holds a request: in Prefill, the
+    request completes by a local prefill on the decode worker; mid-stream on the
+    decode worker, the stream ends UNAVAILABLE naming it. Ray restarts the actor, it
+    registers again, and nothing leaked anywhere."""
+    import ray
+
+    c = ray_cluster
+    ids = prompt(len(victim))
+    with Client(c.address) as client:
+        call = Call(client, ids, OK_DEADLINE_S, max_tokens=RAY_MAX_TOKENS).start()
+        if victim.startswith("prefill"):  # inside its (delayed) Prefill
+            wait_for(lambda: router_inflight(c, victim) == 1, 20, "the Prefill call")
+        else:  # streaming, slowly
+            assert call.first.wait(20), "no first token"
+        ray.kill(c.actors[victim], no_restart=False)
+        call.join()
+    if victim.startswith("prefill"):
+        assert call.code == grpc.StatusCode.OK, call.details
+        assert call.tokens == reference(llm, ids, RAY_MAX_TOKENS)
+    else:
+        assert call.code == _UNAVAILABLE, call.details
+        assert victim in call.details
+        assert call.tokens == reference(llm, ids, RAY_MAX_TOKENS)[: len(call.tokens)]
+    wait_registered(c)  # restarted by Ray: a new process under the same worker id
+    wait_for(lambda: ray_clean(c), INDEX_TTL_S + 15, "every actor clean and the index true")

@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import re
 import subprocess
 import threading
 import time
@@ -119,6 +120,47 @@ MATRIX = [
     Case("drop_chunk", "importing", None),
     Case("delay_chunk", "importing", None),
 ]
+
+
+# ---- the switch itself ------------------------------------------------------------------
+
+
+def test_fault_spec_parses_the_env_syntax_and_names_a_bad_item():
+    spec = FaultSpec.parse("drop_chunk=0.1, delay_chunk_ms=200,delay_rpc=Decode:500,seed=3,only=d0")
+    assert spec == FaultSpec(
+        drop_chunk=0.1, delay_chunk_ms=200, delay_rpc={"Decode": 500.0}, seed=3, only="d0"
+    )
+    assert FaultSpec.parse("") == FaultSpec()
+    for bad, why in (("drop_chunk=2", "in [0, 1]"), ("nope=1", "unknown key"), ("seed", "key=")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            FaultSpec.parse(bad)
+
+
+def test_fault_injector_is_reproducible_by_seed_and_filters_by_worker():
+    def drops(seed: int) -> list[int]:
+        inj = FaultInjector(FaultSpec(drop_chunk=0.5, corrupt_chunk=0.2, seed=seed))
+        return [len(inj.chunk(bytes([i, 1, 2]), ("a:1",))) for i in range(64)]
+
+    assert drops(3) == drops(3) != drops(4)
+    assert 0 < sum(drops(3)) < 64
+    inj = FaultInjector(FaultSpec(corrupt_chunk=1.0, only="b:2"))
+    assert inj.chunk(b"xyz", ("a:1",)) == (b"xyz",)  # another worker's chunk: untouched
+    assert inj.chunk(b"xyz", ("b:2",)) == (b"xy\x85",)  # its last byte flipped
+
+
+def test_gate_holds_the_nth_arrival_until_released():
+    inj = FaultInjector(max_hold_s=10)
+    gate = inj.pause("Decode.step", only="d0", skip=1)
+    inj.point("Decode.step", ("d9", "x"))  # another worker: passes
+    inj.point("Decode.step", ("d0", "x"))  # skipped once: passes
+    held = threading.Thread(target=inj.point, args=("Decode.step", ("d0", "x")))
+    held.start()
+    assert gate.wait(5) == ("d0", "x")
+    held.join(0.2)
+    assert held.is_alive()
+    gate.release()
+    held.join(5)
+    assert not held.is_alive()
 
 
 # ---- fixtures ----------------------------------------------------------------------------

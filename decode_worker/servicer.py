@@ -32,6 +32,7 @@ from pagedserve.common.sampling_params import InvalidRequestError
 from pagedserve.common.scheduler import QueueFullError
 from pagedserve.common.sequence import Request
 from pagedserve.common.worker import WorkerRuntime
+from pagedserve.kvtransfer.faults import fault_point
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.sinks import CacheSink
 from pagedserve.kvtransfer.wire import ChunkHeader, KVSink, KVTransferError
@@ -47,6 +48,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         self.rt = runtime
 
     def Decode(self, request, context):  # noqa: N802 (gRPC method name)
+        fault_point("Decode", self.rt.config.worker_id, self.rt.address)  # tests: faults.py
         req = request.request
         rid = req.request_id
         params = sampling_from_pb(req.sampling)
@@ -201,6 +203,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 if first:
                     step.kv_import.CopyFrom(info)
                     first = False
+                fault_point("Decode.step", self.rt.config.worker_id, self.rt.address)  # tests
                 yield step
 
     def Abort(self, request, context):  # noqa: N802

@@ -25,6 +25,7 @@ from pagedserve.common.sampling_params import InvalidRequestError
 from pagedserve.common.scheduler import QueueFullError
 from pagedserve.common.sequence import ErrorKind, FinishReason, Request, RequestError, SampleDelta
 from pagedserve.common.worker import WorkerRuntime
+from pagedserve.kvtransfer.faults import fault_point
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.sinks import CacheSink
 from pagedserve.kvtransfer.source import StagingFullError
@@ -74,6 +75,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         self.rt = runtime
 
     def Prefill(self, request, context):  # noqa: N802 (gRPC method name)
+        fault_point("Prefill", self.rt.config.worker_id, self.rt.address)  # tests: faults.py
         req = request.request
         rid = req.request_id
         params = sampling_from_pb(req.sampling)

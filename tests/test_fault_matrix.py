@@ -89,13 +89,6 @@ class Case:
     expect: grpc.StatusCode | None  # None: completes with the reference tokens
     names_worker: bool = False  # the status message names the failed worker
     xfail: str | None = None  # the branch (and fix) this row waits for
-    # The worker may learn that its caller left only after it exported the KV: the
-    # lease then ends by its TTL (the gap router/server.py documents). Elsewhere no
-    # lease may end by expiry: an expiry there is a leak.
-    # Seen on main 20ff1f0: PrefillServicer checks its caller only while the prefill
-    # runs, so a prefill that finishes before the first check exports for a caller
-    # already gone (about 2 runs in 3 here).
-    lease_may_expire: bool = False
 
     @property
     def id(self) -> str:
@@ -113,8 +106,10 @@ MATRIX = [
     Case("prefill_killed", "importing", None),
     Case("decode_killed", "importing", None),
     Case("decode_killed", "decoding", _UNAVAILABLE, names_worker=True),
-    *(Case("cancel", p, _CANCELLED, lease_may_expire=p == "prefilling") for p in PHASES),
-    *(Case("deadline", p, _DEADLINE, lease_may_expire=p == "prefilling") for p in PHASES),
+    # No lease may end by expiry in any row (an expiry is a leak): a Prefill whose
+    # caller left before the handle was sent releases its lease itself.
+    *(Case("cancel", p, _CANCELLED) for p in PHASES),
+    *(Case("deadline", p, _DEADLINE) for p in PHASES),
     Case("corrupt_chunk", "importing", None),
     Case("truncate_chunk", "importing", None),
     Case("drop_chunk", "importing", None),
@@ -400,7 +395,7 @@ def run_case(
     if chunk_fault and case.fault != "delay_chunk":
         assert injector.counts[case.fault] >= 1, "the fault was never injected"
     injector.spec = FaultSpec()
-    assert_clean(cluster, None if case.lease_may_expire else expired)
+    assert_clean(cluster, expired)
 
 
 def restore(cluster: FaultCluster, killed: list[str]) -> None:

@@ -220,7 +220,7 @@ def run_soak(
                     if req.kind == "greedy" and outcome == "completed":
                         greedy_checks.append((req, tokens))
                 if outcome == "resource_exhausted":  # a polite client backs off, then goes on
-                    time.sleep(backoff.uniform(0.02, 0.1))
+                    time.sleep(backoff.uniform(0.25, 1.0))
 
     threads = [threading.Thread(target=client_thread, daemon=True) for _ in range(concurrency)]
     for t in threads:

@@ -326,10 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import ray
 
-    from pagedserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
-    from pagedserve.common.llm import LLM
-    from pagedserve.common.loader import resolve_model_dir
-    from pagedserve.common.sampling_params import SamplingParams
+    from pagedserve.common.api.sampling_params import SamplingParams
+    from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pagedserve.common.core.llm import LLM
+    from pagedserve.common.core.loader import resolve_model_dir
     from pagedserve.launch import Cluster, ClusterSpec
     from pagedserve.v1 import worker_pb2
 

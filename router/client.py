@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.common.grpc_options import CHANNEL_OPTIONS
-from pagedserve.common.sequence import FinishReason
+from pagedserve.common.api.outputs import FinishReason
+from pagedserve.common.runtime.grpc_options import CHANNEL_OPTIONS
 from pagedserve.v1 import generation_pb2 as gen_pb
 from pagedserve.v1 import generation_pb2_grpc
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pagedserve.common.config import ConfigError
+from pagedserve.common.api.limits import ConfigError
 
 DEFAULT_PORT = 50051  # the public Generation service; the CLI dials this by default
 

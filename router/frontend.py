@@ -16,15 +16,15 @@ from pathlib import Path
 
 from google.protobuf.message import Message
 
-from pagedserve.common.loader import model_name, resolve_model_dir
-from pagedserve.common.model_config import ModelSpec
-from pagedserve.common.protocol import sampling_from_pb
-from pagedserve.common.sampling_params import (
+from pagedserve.common.api.checkpoint import model_name, resolve_model_dir
+from pagedserve.common.api.model_config import ModelSpec
+from pagedserve.common.api.sampling_params import (
     InvalidRequestError,
     SamplingParams,
     validate_prompt,
 )
-from pagedserve.common.tokenizer import load_tokenizer
+from pagedserve.common.api.tokenizer import load_tokenizer
+from pagedserve.common.runtime.protocol import sampling_from_pb
 from pagedserve.router.config import RouterConfig
 from pagedserve.v1 import generation_pb2 as gen_pb
 from pagedserve.v1 import worker_pb2

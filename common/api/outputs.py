@@ -9,7 +9,7 @@ each (the protobuf side is `common/runtime/protocol.py`, the one place that maps
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -71,3 +71,26 @@ class RequestOutput:
     finished: bool
     usage: Usage | None = None  # set once the whole request has finished
     error: RequestError | None = None  # the request failed alone (finished is True)
+
+
+@dataclass
+class Completion:
+    """One sample of a finished request: what the offline `LLM` returns and what the
+    client assembles from a stream (the one definition of both)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    usage: Usage | None = None  # the client: the request's usage, from the last message
+    num_messages: int = 0  # the client: streamed responses this sample arrived in
+
+    @property
+    def stop_string(self) -> str | None:
+        return self.stop_reason if isinstance(self.stop_reason, str) else None
+
+    @property
+    def stop_token_id(self) -> int | None:
+        return self.stop_reason if isinstance(self.stop_reason, int) else None

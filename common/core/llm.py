@@ -7,13 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from pagedserve.common.api.outputs import (
-    FinishReason,
+    Completion,
     RequestError,
     RequestOutput,
-    TokenLogprobs,
     Usage,
 )
 from pagedserve.common.api.sampling_params import SamplingParams
@@ -22,18 +21,6 @@ from pagedserve.common.core.engine import LLMEngine
 from pagedserve.common.core.sequence import Request
 
 Prompt = str | Seq[int]
-
-
-@dataclass
-class Completion:
-    """One sample of a finished request."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """Conversions between the wire messages (pagedserve.v1 protobuf) and the engine's types.
 
-Shared by the router and both worker roles, so that a request means the same thing
-on every hop. Only protobuf message classes are used here (no gRPC).
+Shared by the router, the client and both worker roles, so that a request means the
+same thing on every hop; the one home of the FinishReason <-> protobuf map. Only
+protobuf message classes and `common/api` types are used here (no gRPC, no torch),
+so the router and the client import it freely.
 """
 
 from __future__ import annotations
@@ -97,6 +99,10 @@ def delta_to_pb(
     if d.finish_reason is not None:
         msg.usage.CopyFrom(usage_to_pb(Usage(prompt_tokens, d.completion_tokens, cached_tokens)))
     return msg
+
+
+def usage_from_pb(msg: gen_pb.Usage) -> Usage:
+    return Usage(msg.prompt_tokens, msg.completion_tokens, msg.cached_tokens)
 
 
 def usage_to_pb(u: Usage) -> gen_pb.Usage:

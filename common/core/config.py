@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pagedserve.common.api.limits import ConfigError
+from pagedserve.common.api.limits import ConfigError, RequestLimits
 
 GiB = 1 << 30
 
@@ -79,8 +79,7 @@ class SchedulerConfig:
             raise ConfigError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        RequestLimits(max_model_len=self.max_model_len)  # checks it
 
 
 @dataclass(frozen=True)
@@ -105,8 +104,12 @@ class EngineConfig:
             raise ConfigError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
             )
-        if self.max_n < 1:
-            raise ConfigError(f"max_n must be >= 1, got {self.max_n}")
+        self.limits  # noqa: B018 (checks max_n, max_logprobs)
+
+    @property
+    def limits(self) -> RequestLimits:
+        """The request limits this engine enforces (max_model_len None = the model's)."""
+        return RequestLimits(self.scheduler.max_model_len, self.max_n, self.max_logprobs)
 
 
 # The CPU flags that dtype resolution sees. Set, it replaces /proc/cpuinfo's flags line

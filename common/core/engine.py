@@ -228,8 +228,8 @@ class LLMEngine:
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         params.validate(
             vocab_size=self.spec.vocab_size,
-            max_n=self.config.max_n,
-            max_logprobs=self.config.max_logprobs,
+            max_n=self.config.limits.max_n,
+            max_logprobs=self.config.limits.max_logprobs,
         )
         validate_prompt(
             ids,

@@ -447,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--detach-workers needs --ray-address (a Ray cluster) and a fixed --port")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
     progress = _progress_printer()
-    from pagedserve.common.core.loader import is_default_model, resolve_model_dir
+    from pagedserve.common.api.checkpoint import is_default_model
+    from pagedserve.common.core.loader import resolve_model_dir
 
     if is_default_model(args.model):
         progress("preparing the default model (first run: dequantizing the GGUF, ~30 s) ...")

@@ -38,6 +38,7 @@ from pagedserve.common.core.sequence import Request
 from pagedserve.common.runtime.protocol import delta_to_pb, logprobs_from_pb, sampling_from_pb
 from pagedserve.common.runtime.servicer_support import failure_status, import_prefix
 from pagedserve.common.runtime.worker import WorkerRuntime
+from pagedserve.kvtransfer.faults import fault_point
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.sinks import CacheSink
 from pagedserve.kvtransfer.wire import ChunkHeader, KVSink, KVTransferError
@@ -52,6 +53,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         self.rt = runtime
 
     def Decode(self, request, context):  # noqa: N802 (gRPC method name)
+        fault_point("Decode", self.rt.config.worker_id, self.rt.address)  # tests: faults.py
         req = request.request
         rid = req.request_id
         params = sampling_from_pb(req.sampling)
@@ -206,6 +208,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 if first:
                     step.kv_import.CopyFrom(info)
                     first = False
+                fault_point("Decode.step", self.rt.config.worker_id, self.rt.address)  # tests
                 yield step
 
     def Abort(self, request, context):  # noqa: N802

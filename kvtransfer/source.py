@@ -54,6 +54,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from pagedserve.kvtransfer.faults import fault_chunk
 from pagedserve.kvtransfer.handle import ExportedKV, KVLayout, local_host_id
 from pagedserve.kvtransfer.segment import (
     SEGMENT_HEADER_BYTES,
@@ -618,7 +619,7 @@ class KVTransferServicer:
                 context.abort(
                     grpc.StatusCode.NOT_FOUND, f"lease {request.lease_id!r} ended during the pull"
                 )
-            yield message
+            yield from fault_chunk(message, self.source.transfer_address)  # tests: faults.py
 
 
 def add_kvtransfer_service(server: grpc.Server, source: KVSource) -> KVTransferServicer:

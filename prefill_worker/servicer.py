@@ -26,6 +26,7 @@ from pagedserve.common.core.sequence import Request
 from pagedserve.common.runtime.protocol import logprobs_to_pb, sampling_from_pb
 from pagedserve.common.runtime.servicer_support import failure_status, import_prefix
 from pagedserve.common.runtime.worker import WorkerRuntime
+from pagedserve.kvtransfer.faults import fault_point
 from pagedserve.kvtransfer.source import StagingFullError
 from pagedserve.v1 import kvtransfer_pb2, worker_pb2, worker_pb2_grpc
 
@@ -60,6 +61,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         self.rt = runtime
 
     def Prefill(self, request, context):  # noqa: N802 (gRPC method name)
+        fault_point("Prefill", self.rt.config.worker_id, self.rt.address)  # tests: faults.py
         req = request.request
         rid = req.request_id
         params = sampling_from_pb(req.sampling)
@@ -119,7 +121,18 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             if index in states:
                 tok.generator_state = states[index]
             handle.first_tokens.append(tok)
+        if handle.lease_id:
+            self._hand_over(context, handle.lease_id)
         return handle
+
+    def _hand_over(self, context, lease_id: str) -> None:
+        """A caller that went away (cancelled, past its deadline) while we prefilled will
+        never see this handle, so nobody would pull or release its lease: end it now
+        instead of holding the blocks until the TTL. (A caller that leaves in the instant
+        after this check still leaves the lease to its TTL.)"""
+        if not context.is_active():
+            self.rt.kv_source.release(lease_id)
+            context.abort(grpc.StatusCode.CANCELLED, "the caller left before the KV handle")
 
     def _export(self, context, table: list[int], num_tokens: int, rid: str, ttl: float | None):
         """Stage blocks under a new lease; RESOURCE_EXHAUSTED when staging is at its cap."""
@@ -158,6 +171,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         handle = exported.to_proto()
         handle.worker_id = self.rt.config.worker_id
         handle.transfer_address = self.rt.address
+        self._hand_over(context, handle.lease_id)
         return handle
 
     def ReleaseLease(self, request, context):  # noqa: N802

@@ -56,9 +56,10 @@ The client's deadline bounds every downstream call (`time_remaining`). A client 
 cancels or disconnects cancels this handler's task: the open downstream call is
 cancelled with it (the decode worker aborts the request and frees its blocks), and a
 KV handle obtained but not yet consumed by a decode worker has its lease released.
-One gap remains by design: a Prefill (or ExportPrefix) response in flight when the
-client leaves is never seen here; its lease expires after the TTL (counted by the
-worker). A prefix handle passed to a worker that failed or never answered is
+A Prefill (or ExportPrefix) response in flight when the client leaves is never seen
+here: the worker notices its caller is gone and releases that lease itself
+(prefill_worker/servicer.py, `_hand_over`); only a caller that leaves in the instant
+between that check and the send leaves a lease to its TTL. A prefix handle passed to a worker that failed or never answered is
 released by the router (ReleaseLease is idempotent, so also when the worker did).
 
 Requests that are not valid protobuf (a string field with bad UTF-8) are answered

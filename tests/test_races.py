@@ -336,6 +336,32 @@ def test_abort_during_export_never_frees_blocks_being_copied(prefill_worker, ref
         pre.stop(grace=0.2)
 
 
+def test_prefill_caller_gone_before_the_handle_releases_its_lease_at_once():
+    """A router whose Prefill call ends (client cancel, deadline) while the worker is
+    still exporting never receives the handle, so it can neither pull nor release the
+    lease. The worker notices the call is gone and releases the lease itself, instead
+    of holding the blocks for the whole TTL (600 s here)."""
+    pre = start_worker(WorkerConfig("race-g", "prefill", engine_config(), lease_ttl_s=600))
+    try:
+        gate = GatedSource(pre.kv_source)
+        pre.kv_source = gate
+        call = prefill_stub(pre).Prefill.future(
+            worker_pb2.PrefillRequest(request=tokenized("G", prompt(21, 40), greedy(8))),
+            timeout=30,
+        )
+        assert gate.entered.wait(10), "the export never started"
+        call.cancel()  # the caller leaves while the blocks are being staged
+        gate.release()
+        deadline = time.monotonic() + 10
+        while gate._inner.open_leases and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert gate._inner.open_leases == 0, "the lease waits for its TTL"
+        pre.kv_source = gate._inner
+        wait_clean(pre)
+    finally:
+        pre.stop(grace=0.2)
+
+
 # -- 2. a caller that gave up on the engine loop leaves nothing behind ------------------
 
 

@@ -40,8 +40,10 @@ def small_cluster():
 def reference():
     llm = LLM(str(tiny_checkpoint("llama")), dtype="float32", num_blocks=64, max_model_len=256)
 
-    def greedy(prompt, sampling):
-        return llm.generate([list(prompt)], SamplingParams(**sampling))[0].completions[0].token_ids
+    def greedy(requests):
+        prompts = [list(p) for p, _ in requests]
+        params = [SamplingParams(**sampling) for _, sampling in requests]
+        return [o.completions[0].token_ids for o in llm.generate(prompts, params)]
 
     return greedy
 
@@ -88,3 +90,18 @@ def test_soak_above_capacity_loses_nothing(small_cluster, reference):
     ] == sum(bad.values()), text
     assert result.outcomes["resource_exhausted"] > 0, "the load never exceeded admission"
     assert not result.leaked and not result.open_leases and not result.integrity_errors, text
+
+
+def test_soak_result_as_json():
+    import json
+    from collections import Counter
+
+    from benchmarks.soak import SoakResult, to_json
+
+    r = SoakResult(sent=3, by_kind={"greedy": Counter(completed=2), "bad": Counter()})
+    r.outcomes.update(completed=2, cancelled_wrongly=1)
+    r.rss_start_mib, r.rss_end_mib = {"w": 100.0}, {"w": 105.0}
+    data = json.loads(json.dumps(to_json(r)))
+    assert data["outcomes"] == {"completed": 2, "cancelled_wrongly": 1}
+    assert data["by_kind"] == {"greedy": {"completed": 2}, "bad": {}}
+    assert data["num_unclean"] == 1 and data["rss_growth"] == {"w": 1.05}

@@ -64,7 +64,7 @@ test: venv redis promtool proto
 
 # The files whose outcome could depend on what dtype="auto" resolves to, run once as
 # on a CPU with bf16 units and once as on one without (PAGEDSERVE_CPU_FLAGS, see
-# common/config.py), whatever this CPU is: a test that forgets to state its dtype
+# common/core/config.py), whatever this CPU is: a test that forgets to state its dtype
 # fails here on every machine, not only on the other kind.
 DTYPE_TESTS := tests/test_dtype.py tests/test_engine.py tests/test_workers.py \
                tests/test_model.py tests/test_router.py
@@ -76,9 +76,12 @@ bench: venv proto
 	$(PY) -m benchmarks.kv_waste
 	$(PY) -m benchmarks.engine_throughput
 
+# ruff, then the layering contracts of pyproject.toml ([tool.importlinter]); see
+# scripts/lint_imports.py for why lint-imports runs on a symlink view under build/.
 lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) scripts/lint_imports.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache build/lint

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedserve.common.attention.base import AttentionMetadata
+from pagedserve.common.core.attention.base import AttentionMetadata
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Target from the issue: Triton decode at >= 70% of copy bandwidth at batch >= 32, ctx >= 1024.
@@ -219,13 +219,13 @@ def backend_fn(backend, case: DecodeCase, copies: int) -> Callable[[], torch.Ten
 def load_backends(names: list[str], device: torch.device) -> dict[str, object]:
     backends: dict[str, object] = {}
     if "torch" in names:
-        from pagedserve.common.attention.torch_backend import TorchAttentionBackend
+        from pagedserve.common.core.attention.torch_backend import TorchAttentionBackend
 
         backends["torch"] = TorchAttentionBackend()
     if "triton" in names:
         if device.type == "cpu":
             os.environ["TRITON_INTERPRET"] = "1"  # before triton's first import
-        from pagedserve.common.attention.triton_backend import TritonAttentionBackend
+        from pagedserve.common.core.attention.triton_backend import TritonAttentionBackend
 
         backends["triton"] = TritonAttentionBackend()
     return backends

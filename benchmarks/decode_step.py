@@ -27,9 +27,9 @@ from collections.abc import Callable
 
 import torch
 
-from pagedserve.common.attention.base import AttentionMetadata
-from pagedserve.common.kv_cache import KVCache
-from pagedserve.common.loader import LoadedModel, load_model
+from pagedserve.common.core.attention.base import AttentionMetadata
+from pagedserve.common.core.kv_cache import KVCache
+from pagedserve.common.core.loader import LoadedModel, load_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.common.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_dtype
-from pagedserve.common.engine import LLMEngine
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.api.sampling_params import SamplingParams
+from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_dtype
+from pagedserve.common.core.engine import LLMEngine
 
 WORKLOAD = Path(__file__).parent / "workloads" / "engine64.json"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -116,7 +116,7 @@ def run_engine(reqs: list[dict], dtype: str, max_batched_tokens: int) -> dict:
 def _hf_model(dtype: str):
     from transformers import AutoModelForCausalLM
 
-    from pagedserve.common.loader import resolve_model_dir
+    from pagedserve.common.core.loader import resolve_model_dir
 
     model = AutoModelForCausalLM.from_pretrained(
         str(resolve_model_dir(None)), dtype=DTYPES[dtype]
@@ -209,7 +209,7 @@ if __name__ == "__main__":
 
 
 def run_vllm(python: str, reqs: list[dict], dtype: str) -> dict:
-    from pagedserve.common.loader import resolve_model_dir
+    from pagedserve.common.core.loader import resolve_model_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         script, wl, out = (Path(tmp) / n for n in ("run.py", "wl.json", "out.json"))

@@ -30,8 +30,12 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from pagedserve.common.block_manager import BlockManager, NoFreeBlocksError, RequestTooLargeError
-from pagedserve.common.contiguous_allocator import ContiguousAllocator, ContiguousAllocatorError
+from benchmarks.contiguous_allocator import ContiguousAllocator, ContiguousAllocatorError
+from pagedserve.common.core.block_manager import (
+    BlockManager,
+    NoFreeBlocksError,
+    RequestTooLargeError,
+)
 
 VOCAB = 49152  # SmolLM2's, for plausible token ids
 

@@ -342,7 +342,7 @@ def idle_route_latency(router, workload: Workload, repeats: int = 3) -> tuple[fl
 
 
 def engine_config(args, model_dir: str, num_blocks: int):
-    from pagedserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig
 
     return EngineConfig(
         model=model_dir,
@@ -354,7 +354,7 @@ def engine_config(args, model_dir: str, num_blocks: int):
 
 
 def start_workers(router, args, model_dir, count, num_blocks, redis_url, prefix) -> list:
-    from pagedserve.common.worker import WorkerConfig
+    from pagedserve.common.runtime.worker import WorkerConfig
 
     workers = [
         WorkerProcess(
@@ -409,7 +409,7 @@ def warm_up(router, args) -> None:
 
 
 def run(args: argparse.Namespace, redis_url: str) -> dict:
-    from pagedserve.common.loader import resolve_model_dir
+    from pagedserve.common.core.loader import resolve_model_dir
     from pagedserve.router.policy import LeastLoadedPolicy, RoundRobinPolicy
     from pagedserve.router.server import start_router_in_thread
 
@@ -464,7 +464,7 @@ def run(args: argparse.Namespace, redis_url: str) -> dict:
 
 
 def redact(url: str) -> str:
-    from pagedserve.common.prefix_index.redis import redact_url
+    from pagedserve.common.runtime.prefix_index.redis import redact_url
 
     return redact_url(url)
 

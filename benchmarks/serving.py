@@ -900,8 +900,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads_per_worker))
-    from pagedserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
-    from pagedserve.common.loader import resolve_model_dir
+    from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pagedserve.common.core.loader import resolve_model_dir
     from pagedserve.launch import Cluster, ClusterSpec
 
     t_start = time.monotonic()

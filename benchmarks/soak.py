@@ -309,7 +309,7 @@ def report(result: SoakResult, mix: dict[str, int]) -> str:
 
 def machine() -> str:
     """CPU model, core count and the flags that matter for dtype and kernels."""
-    from pagedserve.common.config import cpu_flags
+    from pagedserve.common.core.config import cpu_flags
 
     model = platform.processor() or platform.machine()
     try:
@@ -362,10 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import ray
 
-    from pagedserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
-    from pagedserve.common.llm import LLM
-    from pagedserve.common.loader import resolve_model_dir
-    from pagedserve.common.sampling_params import SamplingParams
+    from pagedserve.common.api.sampling_params import SamplingParams
+    from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pagedserve.common.core.llm import LLM
+    from pagedserve.common.core.loader import resolve_model_dir
     from pagedserve.launch import Cluster, ClusterSpec
     from pagedserve.v1 import worker_pb2
 

@@ -27,8 +27,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from pagedserve.common.attention import triton_decode, triton_prefill  # noqa: E402
-from pagedserve.common.attention.triton_common import PagedShape, default_tile  # noqa: E402
+from pagedserve.common.core.attention import triton_decode, triton_prefill  # noqa: E402
+from pagedserve.common.core.attention.triton_common import PagedShape, default_tile  # noqa: E402
 
 # Shared memory one block may use (opt-in maximum), bytes, by compute capability.
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}

@@ -25,18 +25,23 @@ import threading
 import grpc
 import torch
 
-from pagedserve.common.engine import ImportPlan
-from pagedserve.common.engine_loop import EngineBusy, EngineFailure, RequestFailed, RequestStream
-from pagedserve.common.protocol import delta_to_pb, logprobs_from_pb, sampling_from_pb
-from pagedserve.common.sampling_params import InvalidRequestError
-from pagedserve.common.scheduler import QueueFullError
-from pagedserve.common.sequence import Request
-from pagedserve.common.worker import WorkerRuntime
+from pagedserve.common.api.sampling_params import InvalidRequestError
+from pagedserve.common.core.engine import ImportPlan
+from pagedserve.common.core.engine_loop import (
+    EngineBusy,
+    EngineFailure,
+    RequestFailed,
+    RequestStream,
+)
+from pagedserve.common.core.scheduler import QueueFullError
+from pagedserve.common.core.sequence import Request
+from pagedserve.common.runtime.protocol import delta_to_pb, logprobs_from_pb, sampling_from_pb
+from pagedserve.common.runtime.servicer_support import failure_status, import_prefix
+from pagedserve.common.runtime.worker import WorkerRuntime
 from pagedserve.kvtransfer.faults import fault_point
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.sinks import CacheSink
 from pagedserve.kvtransfer.wire import ChunkHeader, KVSink, KVTransferError
-from pagedserve.prefill_worker.servicer import failure_status, import_prefix, release_lease
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -101,7 +106,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 )
         except (InvalidRequestError, EngineBusy, QueueFullError) as e:
             if request.HasField("kv") and request.kv.lease_id:  # no import will pull it
-                release_lease(self.rt, request.kv.transfer_address, request.kv.lease_id)
+                self.rt.lease_releaser.release(request.kv.transfer_address, request.kv.lease_id)
             if isinstance(e, EngineBusy):
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker busy: {e}")
             if isinstance(e, QueueFullError):  # overloaded: the router goes elsewhere
@@ -180,7 +185,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             info.transport, info.recomputed, info.error = "local", True, e
         finally:
             if kv.lease_id:
-                release_lease(self.rt, kv.transfer_address, kv.lease_id)
+                self.rt.lease_releaser.release(kv.transfer_address, kv.lease_id)
         return info
 
     def _stream(self, rid, prompt_len, stream: RequestStream, info, context, cached, added):

@@ -3,7 +3,7 @@
 
 - deploy/grafana/pagedserve-{prefill,decode,router}.json: one Grafana dashboard per
   pool, built from the panel lists below (every query names series that
-  common/metrics.py or router/metrics.py exports; tests/test_deploy.py checks it
+  common/runtime/metrics.py or router/metrics.py exports; tests/test_deploy.py checks it
   against a real scrape);
 - deploy/k8s/components/monitoring/prometheusrule.yaml: deploy/prometheus/alerts.yml
   wrapped in a PrometheusRule for the Prometheus operator.
@@ -449,7 +449,7 @@ def pool_dashboard(pool: str) -> dict:
     return dashboard(
         f"pagedserve-{pool}",
         f"pagedserve / {pool} pool",
-        f"The {pool} workers of pagedserve (common/metrics.py).",
+        f"The {pool} workers of pagedserve (common/runtime/metrics.py).",
         [
             variable_query(
                 "worker", "Worker", f'label_values(pagedserve:worker_info{{pool="{pool}"}}, worker)'

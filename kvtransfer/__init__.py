@@ -16,4 +16,8 @@
 - `transport.py`: `KVTransport` with `ShmTransport`, `GrpcTransport`, `AutoTransport`
   and `choose_transport`.
 - `handle.py`: `ExportedKV` (the transfer part of a KVHandle) and the host id.
+
+May import: torch, numpy, grpc, the generated stubs, the standard library. Never
+`pagedserve.common` (core or runtime), a role or the router (import-linter contract
+"kvtransfer"): it moves tensors and bytes and knows nothing of requests.
 """

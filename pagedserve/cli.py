@@ -197,9 +197,9 @@ def chat(args: argparse.Namespace) -> int:
 
 
 def _print_usage(last, out: TextIO) -> None:
-    from pagedserve.v1 import generation_pb2 as gen_pb
+    from pagedserve.common.runtime.protocol import FINISH_FROM_PB
 
-    reason = gen_pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+    reason = FINISH_FROM_PB[last.finish_reason].value
     u = last.usage
     print(
         f"[{reason}; prompt {u.prompt_tokens} tokens ({u.cached_tokens} cached), "

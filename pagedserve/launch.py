@@ -52,8 +52,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pagedserve.common.config import CacheConfig, EngineConfig, GiB, SchedulerConfig
-from pagedserve.common.worker import WorkerConfig
+from pagedserve.common.core.config import CacheConfig, EngineConfig, GiB, SchedulerConfig
+from pagedserve.common.runtime.worker import WorkerConfig
 
 logger = logging.getLogger("pagedserve.launch")
 ACTOR_PREFIX = "pagedserve-"  # worker actors are named pagedserve-prefill-0, ...
@@ -214,8 +214,7 @@ class Cluster:
     def _spawn(self, pool: str, index: int) -> Any:
         import ray
 
-        from pagedserve.decode_worker.actor import DecodeWorkerActor
-        from pagedserve.prefill_worker.actor import PrefillWorkerActor
+        from pagedserve.worker import DecodeWorkerActor, PrefillWorkerActor
 
         spec = self.spec
         cls = PrefillWorkerActor if pool == "prefill" else DecodeWorkerActor
@@ -448,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--detach-workers needs --ray-address (a Ray cluster) and a fixed --port")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
     progress = _progress_printer()
-    from pagedserve.common.loader import is_default_model, resolve_model_dir
+    from pagedserve.common.api.checkpoint import is_default_model
+    from pagedserve.common.core.loader import resolve_model_dir
 
     if is_default_model(args.model):
         progress("preparing the default model (first run: dequantizing the GGUF, ~30 s) ...")

@@ -1,4 +1,8 @@
-"""Starting a worker: the runtime plus the servicers of both roles.
+"""Starting a worker: the runtime plus the servicers of both roles, and the Ray
+actor classes of both pools.
+
+The composition of the two roles lives here, above them, so that neither role
+package imports the other (import-linter contract "roles").
 
 Every worker serves Prefill (with ReleaseLease and KVTransfer: any worker can export
 KV it holds) and Decode (a decode worker prefills locally when the router sends no
@@ -11,8 +15,8 @@ import logging
 import os
 from dataclasses import replace
 
-from pagedserve.common.loader import LoadedModel
-from pagedserve.common.worker import WorkerConfig, WorkerRuntime
+from pagedserve.common.core.loader import LoadedModel
+from pagedserve.common.runtime.worker import WorkerConfig, WorkerRuntime
 from pagedserve.decode_worker.servicer import DecodeServicer
 from pagedserve.prefill_worker.servicer import PrefillServicer
 from pagedserve.v1 import worker_pb2_grpc
@@ -81,3 +85,19 @@ class WorkerActor:
 
     def stop(self) -> None:
         self.runtime.stop()
+
+
+class PrefillWorkerActor(WorkerActor):
+    """A worker in the prefill pool (the launcher wraps it with `ray.remote`)."""
+
+    def __init__(self, config: WorkerConfig, log_level: str = "INFO") -> None:
+        super().__init__(replace(config, pool="prefill"), log_level)
+
+
+class DecodeWorkerActor(WorkerActor):
+    """A worker in the decode (or colocated) pool."""
+
+    def __init__(self, config: WorkerConfig, log_level: str = "INFO") -> None:
+        if config.pool == "prefill":
+            config = replace(config, pool="decode")
+        super().__init__(config, log_level)

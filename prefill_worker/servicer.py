@@ -14,38 +14,24 @@ from __future__ import annotations
 import logging
 import queue
 import uuid
-from concurrent.futures import Future
 
 import grpc
 
-from pagedserve.common.engine import LLMEngine
-from pagedserve.common.engine_loop import EngineBusy, EngineFailure, RequestFailed
-from pagedserve.common.protocol import logprobs_to_pb, sampling_from_pb
-from pagedserve.common.sampling_params import InvalidRequestError
-from pagedserve.common.scheduler import QueueFullError
-from pagedserve.common.sequence import ErrorKind, FinishReason, Request, RequestError, SampleDelta
-from pagedserve.common.worker import WorkerRuntime
+from pagedserve.common.api.outputs import FinishReason, SampleDelta
+from pagedserve.common.api.sampling_params import InvalidRequestError
+from pagedserve.common.core.engine import LLMEngine
+from pagedserve.common.core.engine_loop import EngineBusy, EngineFailure, RequestFailed
+from pagedserve.common.core.scheduler import QueueFullError
+from pagedserve.common.core.sequence import Request
+from pagedserve.common.runtime.protocol import logprobs_to_pb, sampling_from_pb
+from pagedserve.common.runtime.servicer_support import failure_status, import_prefix
+from pagedserve.common.runtime.worker import WorkerRuntime
 from pagedserve.kvtransfer.faults import fault_point
-from pagedserve.kvtransfer.handle import ExportedKV
-from pagedserve.kvtransfer.sinks import CacheSink
 from pagedserve.kvtransfer.source import StagingFullError
-from pagedserve.kvtransfer.wire import KVTransferError
 from pagedserve.v1 import kvtransfer_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.1  # how often a waiting handler checks that its caller is still there
-
-
-_FAILURE_STATUS = {
-    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
-}
-
-
-def failure_status(error: RequestError) -> grpc.StatusCode:
-    """The status of a request that failed alone: INVALID_ARGUMENT when its own
-    parameters caused it, INTERNAL otherwise (the message says which and why)."""
-    return _FAILURE_STATUS[error.kind]
 
 
 def wait_first_tokens(stream, context: grpc.ServicerContext) -> dict[int, SampleDelta]:
@@ -190,55 +176,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 
     def ReleaseLease(self, request, context):  # noqa: N802
         return worker_pb2.ReleaseLeaseResponse(released=self.rt.kv_source.release(request.lease_id))
-
-
-def import_prefix(rt: WorkerRuntime, rid: str, prefix, prompt: list[int], salt: str) -> int:
-    """Pulls another worker's blocks of the prompt's prefix into this worker's prefix cache.
-
-    Best effort: on any failure the blocks are simply computed here. Returns the
-    blocks pulled. The exporter's lease is released either way. The pull has a
-    deadline (kv_pull_timeout_s): a hung exporter cannot hold the pinned blocks.
-    """
-    pin = f"{rid}#prefix"
-    timeout = rt.config.engine_call_timeout_s
-    try:
-        handle = ExportedKV.from_proto(prefix, rid)
-        plan = rt.loop.call(
-            lambda e: e.reserve_prefix_import(pin, prompt[: handle.num_tokens], salt or None),
-            timeout,
-            on_abandon=lambda e, _plan: e.unpin(pin),
-        )
-        if not plan.block_ids:
-            rt.loop.call(lambda e: e.unpin(pin), timeout)
-            return 0
-        wanted = handle.block_ids[plan.first_block : plan.first_block + len(plan.block_ids)]
-        try:
-            rt.kv_transport.pull_into(
-                handle,
-                CacheSink(rt.engine.kv_cache.kv, plan.block_ids),
-                block_ids=wanted,
-                timeout=rt.config.kv_pull_timeout_s,
-            )
-        except BaseException:
-            rt.loop.call(lambda e: e.unpin(pin), timeout)  # nothing is cached
-            raise
-        rt.loop.call(lambda e: e.commit_prefix_import(pin), timeout)
-        return len(plan.block_ids)
-    except (KVTransferError, ValueError, grpc.RpcError, EngineBusy) as e:
-        logger.warning("prefix pull for %s failed, computing it here: %s", rid, e)
-        return 0
-    finally:
-        if prefix.lease_id:
-            release_lease(rt, prefix.transfer_address, prefix.lease_id)
-
-
-def release_lease(rt: WorkerRuntime, address: str, lease_id: str) -> Future[grpc.StatusCode]:
-    """Tell an exporter we are done, off the request's path (best effort: leases expire).
-
-    On the runtime's LeaseReleaser: a few shared threads and cached channels, each
-    call with a deadline (release_lease_timeout_s).
-    """
-    return rt.lease_releaser.release(address, lease_id)
 
 
 def _held(engine: LLMEngine, rid: str, pin: str):

@@ -11,4 +11,11 @@
 - `cost.py`: transfer vs recompute estimate for cross-worker prefix pulls
 - `admission.py`: bounded in-flight + queued requests
 - `client.py`: a small sync client of the public API (used by the CLI)
+
+May import: `pagedserve.common.api`, the torch-free modules of
+`pagedserve.common.runtime` (`grpc_options`, `protocol`, `metrics_server`,
+`prefix_index`), the generated stubs, grpc, redis, prometheus_client. Never the engine
+core, a worker role, kvtransfer, or torch (import-linter contract "router and client";
+tests/test_layers.py checks a fresh process): the router process and the client CLI
+load no model code.
 """

@@ -14,23 +14,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.common.grpc_options import CHANNEL_OPTIONS
-from pagedserve.common.sequence import FinishReason
+from pagedserve.common.api.outputs import Completion
+from pagedserve.common.runtime.grpc_options import CHANNEL_OPTIONS
+from pagedserve.common.runtime.protocol import FINISH_FROM_PB, logprobs_from_pb, usage_from_pb
 from pagedserve.v1 import generation_pb2 as gen_pb
 from pagedserve.v1 import generation_pb2_grpc
 
 SAMPLING_FIELDS = frozenset(gen_pb.SamplingParams.DESCRIPTOR.fields_by_name)
-_FINISH = {
-    gen_pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    gen_pb.FINISH_REASON_STOP: FinishReason.STOP,
-    gen_pb.FINISH_REASON_EOS: FinishReason.EOS,
-    gen_pb.FINISH_REASON_ABORT: FinishReason.ABORT,
-}
 
 
 # The router names the worker a failure happened on: "decode worker d0 (host:port): ...".
@@ -66,20 +60,6 @@ def explain(e: grpc.RpcError, address: str) -> str:
     if code == grpc.StatusCode.INTERNAL and _NAMES_WORKER.search(details):
         return "a worker failed while running the request (named above): retry"
     return ""
-
-
-@dataclass
-class Completion:
-    """One sample, assembled from its streamed responses."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    stop_string: str | None = None
-    stop_token_id: int | None = None
-    usage: gen_pb.Usage | None = None
-    num_messages: int = 0
 
 
 def build_request(
@@ -169,15 +149,14 @@ class Client:
             c = out.setdefault(r.index, Completion(r.index))
             c.text += r.text
             c.token_ids += r.token_ids
+            c.logprobs += [logprobs_from_pb(lp) for lp in r.logprobs]
             c.num_messages += 1
             if r.finish_reason:
-                c.finish_reason = _FINISH[r.finish_reason]
-                c.usage = r.usage
+                c.finish_reason = FINISH_FROM_PB[r.finish_reason]
+                c.usage = usage_from_pb(r.usage)
                 which = r.WhichOneof("stop_matched")
-                if which == "stop_string":
-                    c.stop_string = r.stop_string
-                elif which == "stop_token_id":
-                    c.stop_token_id = r.stop_token_id
+                if which is not None:
+                    c.stop_reason = getattr(r, which)
         return [out[i] for i in sorted(out)]
 
     def complete(self, *args: object, **kwargs: object) -> str:

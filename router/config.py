@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pagedserve.common.config import ConfigError
+from pagedserve.common.api.limits import ConfigError, RequestLimits
 
 DEFAULT_PORT = 50051  # the public Generation service; the CLI dials this by default
 
@@ -186,8 +186,6 @@ class RouterConfig:
                 "transfer_failure_policy must be 'recompute', 'fail' or None, "
                 f"got {self.transfer_failure_policy!r}"
             )
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.redis_url is not None and not self.redis_url.startswith(
             ("redis://", "rediss://", "unix://")
         ):
@@ -197,10 +195,12 @@ class RouterConfig:
             )
         if not self.registry_poll_s > 0:
             raise ConfigError(f"registry_poll_s must be > 0, got {self.registry_poll_s}")
-        if self.max_n < 1 or self.max_logprobs < 0:
-            raise ConfigError(
-                f"max_n must be >= 1 and max_logprobs >= 0, got {self.max_n}, {self.max_logprobs}"
-            )
+        self.limits  # noqa: B018 (checks max_model_len, max_n, max_logprobs)
+
+    @property
+    def limits(self) -> RequestLimits:
+        """The request limits the router enforces: the workers' (EngineConfig.limits)."""
+        return RequestLimits(self.max_model_len, self.max_n, self.max_logprobs)
 
     @property
     def address(self) -> str:

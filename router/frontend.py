@@ -16,15 +16,15 @@ from pathlib import Path
 
 from google.protobuf.message import Message
 
-from pagedserve.common.loader import model_name, resolve_model_dir
-from pagedserve.common.model_config import ModelSpec
-from pagedserve.common.protocol import sampling_from_pb
-from pagedserve.common.sampling_params import (
+from pagedserve.common.api.checkpoint import model_name, resolve_model_dir
+from pagedserve.common.api.model_config import ModelSpec
+from pagedserve.common.api.sampling_params import (
     InvalidRequestError,
     SamplingParams,
     validate_prompt,
 )
-from pagedserve.common.tokenizer import load_tokenizer
+from pagedserve.common.api.tokenizer import load_tokenizer
+from pagedserve.common.runtime.protocol import sampling_from_pb
 from pagedserve.router.config import RouterConfig
 from pagedserve.v1 import generation_pb2 as gen_pb
 from pagedserve.v1 import worker_pb2
@@ -59,9 +59,8 @@ class ModelFrontend:
             json.loads((self.model_dir / "config.json").read_text())
         )
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.max_model_len = config.max_model_len or self.spec.max_model_len
-        self.max_n = config.max_n
-        self.max_logprobs = config.max_logprobs
+        self.limits = config.limits.resolve(self.spec.max_model_len)
+        self.max_model_len: int = self.limits.max_model_len  # type: ignore[assignment]
         self.eos_token_ids = self._eos_ids()
 
     @property
@@ -114,7 +113,9 @@ class ModelFrontend:
         self.check_sizes(request)
         params = sampling_from_pb(request.sampling)
         params.validate(
-            vocab_size=self.vocab_size, max_n=self.max_n, max_logprobs=self.max_logprobs
+            vocab_size=self.vocab_size,
+            max_n=self.limits.max_n,
+            max_logprobs=self.limits.max_logprobs,
         )
         rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
         if not rid:

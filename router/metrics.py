@@ -56,7 +56,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagedserve.common.metrics import PREFIX, MetricsServer
+from pagedserve.common.runtime.metrics_server import PREFIX, MetricsServer
 from pagedserve.v1 import generation_pb2
 
 if TYPE_CHECKING:

@@ -51,8 +51,8 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from pagedserve.common.block_manager import block_hashes
-from pagedserve.common.prefix_index import (
+from pagedserve.common.api.hashing import block_hashes
+from pagedserve.common.runtime.prefix_index import (
     EmbeddedPrefixIndex,
     IndexUnavailableError,
     PrefixIndex,
@@ -110,7 +110,7 @@ class PrefixLookup:
         index = self._redis.get(model_id)
         if index is None:
             assert self.redis_url
-            from pagedserve.common.prefix_index.connection import client_name
+            from pagedserve.common.runtime.prefix_index.connection import client_name
 
             index = self._redis[model_id] = open_prefix_index(
                 self.redis_url, model_id, name=client_name("router", "index")

@@ -39,7 +39,7 @@ a client deadline: Prefill, ExportPrefix and ReleaseLease by deadlines; Decode (
 generation is legitimate) by progress: a stream that sends nothing for
 `decode_idle_timeout_s`, or for `decode_drop_grace_s` after its worker left the
 registry, is cancelled (`_relay`), with a message that names the worker (id and
-address). Channels keep HTTP/2 keepalive (common/grpc_options.py), so a silently cut
+address). Channels keep HTTP/2 keepalive (common/runtime/grpc_options.py), so a silently cut
 link fails its calls within ~20 s even where no timer would. Channels to workers that
 left the registry are closed once their last call ended (`_use_channel`): Ray
 restarts workers on new ports, so the map would otherwise only grow.
@@ -90,11 +90,11 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pagedserve.common.grpc_options import CHANNEL_OPTIONS, SERVER_OPTIONS, with_option
-from pagedserve.common.prefix_index import IndexUnavailableError
-from pagedserve.common.prefix_index.faults import Backoff, LogLimiter
-from pagedserve.common.prefix_index.remote import PrefixIndexServicer
-from pagedserve.common.sampling_params import InvalidRequestError
+from pagedserve.common.api.sampling_params import InvalidRequestError
+from pagedserve.common.runtime.grpc_options import CHANNEL_OPTIONS, SERVER_OPTIONS, with_option
+from pagedserve.common.runtime.prefix_index import IndexUnavailableError
+from pagedserve.common.runtime.prefix_index.faults import Backoff, LogLimiter
+from pagedserve.common.runtime.prefix_index.remote import PrefixIndexServicer
 from pagedserve.router.admission import Admission, AdmissionRejected
 from pagedserve.router.config import RouterConfig
 from pagedserve.router.cost import TransferEstimator
@@ -267,8 +267,8 @@ class Router:
         await self._update_health()
         self._sweeper = asyncio.create_task(self._sweep_loop())
         if self.config.redis_url:
-            from pagedserve.common.prefix_index.connection import client_name
-            from pagedserve.common.prefix_index.worker_registry import RedisWorkerRegistry
+            from pagedserve.common.runtime.prefix_index.connection import client_name
+            from pagedserve.common.runtime.prefix_index.worker_registry import RedisWorkerRegistry
 
             self.redis_registry = RedisWorkerRegistry(
                 self.config.redis_url, name=client_name("router", "registry")
@@ -446,7 +446,7 @@ class Router:
         A malformed entry (not a WorkerStats, or another worker's id inside) is skipped
         and logged (rate-limited), never fatal for the others.
         """
-        from pagedserve.common.prefix_index.worker_registry import TOMBSTONE
+        from pagedserve.common.runtime.prefix_index.worker_registry import TOMBSTONE
 
         if self._registry_outage:
             logger.warning("worker registry reachable again")

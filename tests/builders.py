@@ -1,7 +1,7 @@
 """Builders for tests: tiny random checkpoints, a tiny tokenizer, a paged greedy loop.
 
 Checkpoints are real Hugging Face directories written with `save_pretrained`
-from a seeded config, so both `transformers` and `pagedserve.common.loader` load
+from a seeded config, so both `transformers` and `pagedserve.common.core.loader` load
 the very same bytes. They are built once per process (lru-cached) under one
 temp dir that is removed at exit.
 
@@ -29,9 +29,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.common.attention.base import AttentionMetadata
-from pagedserve.common.kv_cache import KVCache
-from pagedserve.common.model import PagedCausalLM
+from pagedserve.common.core.attention.base import AttentionMetadata
+from pagedserve.common.core.kv_cache import KVCache
+from pagedserve.common.core.model import PagedCausalLM
 
 
 @pytest.fixture(scope="module", autouse=True)

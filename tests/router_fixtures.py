@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import pytest
 from builders import tiny_checkpoint
 
-from pagedserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
-from pagedserve.common.worker import WorkerConfig, WorkerRuntime
+from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedserve.common.runtime.worker import WorkerConfig, WorkerRuntime
 from pagedserve.router.client import Client
 from pagedserve.router.config import RouterConfig
 from pagedserve.router.server import RouterHandle, start_router_in_thread

@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from pagedserve.common import block_manager as bm_module
-from pagedserve.common.block_manager import (
+from pagedserve.common.api.hashing import HashInputError, block_hashes, extra_key, hash_block
+from pagedserve.common.core import block_manager as bm_module
+from pagedserve.common.core.block_manager import (
     BlockCopy,
     BlockManager,
     BlockManagerError,
@@ -24,9 +25,6 @@ from pagedserve.common.block_manager import (
     RequestTooLargeError,
     SequenceExistsError,
     UnknownSequenceError,
-    block_hashes,
-    extra_key,
-    hash_block,
 )
 
 
@@ -92,7 +90,7 @@ def test_extra_keys_separate_models_salts_and_empty_salt():
 
 
 HASH_SCRIPT = (
-    "import json; from pagedserve.common.block_manager import block_hashes; "
+    "import json; from pagedserve.common.api.hashing import block_hashes; "
     "print(json.dumps([h.hex() for h in block_hashes(list(range(1000, 1050)), 16, "
     "'smollm2', 'tenant')] + [h.hex() for h in block_hashes([7] * 32, 8)]))"
 )
@@ -135,7 +133,7 @@ def test_manager_stores_exactly_the_router_hashes():
     ],
 )
 def test_hashing_rejects_bad_input(call, match):
-    with pytest.raises(InvalidArgumentError, match=match):
+    with pytest.raises(HashInputError, match=match):
         call()
 
 

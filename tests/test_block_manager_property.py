@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedserve.common.block_manager import (
+from pagedserve.common.core.block_manager import (
     BlockManager,
     BlockRemoved,
     BlockStored,

@@ -17,9 +17,9 @@ import pytest
 import ray
 from builders import tiny_checkpoint
 
-from pagedserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
-from pagedserve.common.llm import LLM
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.api.sampling_params import SamplingParams
+from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedserve.common.core.llm import LLM
 from pagedserve.launch import Cluster, ClusterSpec
 from pagedserve.router.client import Client
 from pagedserve.v1 import worker_pb2

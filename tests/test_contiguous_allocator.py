@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.common.contiguous_allocator import (
+from benchmarks.contiguous_allocator import (
     ContiguousAllocator,
     ContiguousAllocatorError,
     InvalidArgumentError,

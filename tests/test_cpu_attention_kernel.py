@@ -1,4 +1,4 @@
-"""The compiled CPU attention kernel (common/attention/cpu_attention.c) and its fallback.
+"""The compiled CPU attention kernel (common/core/attention/cpu_attention.c) and its fallback.
 
 The kernel (decode rows, and prefill rows with their causal lengths) is compared with softmax attention computed densely in float64 and
 with the pure-torch decode path, over head sizes that take its AVX-512 code
@@ -24,10 +24,10 @@ import pytest
 import torch
 from builders import make_metadata, one_torch_thread  # noqa: F401 (autouse fixture)
 
-from pagedserve.common.attention import cpu_kernel, torch_backend
-from pagedserve.common.attention.base import write_kv
-from pagedserve.common.attention.torch_backend import TorchAttentionBackend
-from pagedserve.common.model import tune_cpu_malloc
+from pagedserve.common.core.attention import cpu_kernel, torch_backend
+from pagedserve.common.core.attention.base import write_kv
+from pagedserve.common.core.attention.torch_backend import TorchAttentionBackend
+from pagedserve.common.core.model import tune_cpu_malloc
 
 LIB = cpu_kernel.load()
 needs_kernel = pytest.mark.skipif(LIB is None, reason="the CPU kernel did not build here")
@@ -278,7 +278,7 @@ def test_cpu_malloc_tuning_is_applied_once_and_keeps_freed_pages():
 
 _FAULT_ROUND = """
 import resource, sys, torch
-from pagedserve.common.model import tune_cpu_malloc
+from pagedserve.common.core.model import tune_cpu_malloc
 assert tune_cpu_malloc() is (sys.argv[1] == "1")
 
 def one_round():

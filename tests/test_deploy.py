@@ -33,7 +33,7 @@ from router_fixtures import tiny_engine_config
 from test_metrics import exported_names, scrape_text
 
 from pagedserve import launch
-from pagedserve.common.worker import WorkerConfig
+from pagedserve.common.runtime.worker import WorkerConfig
 from pagedserve.router import __main__ as router_main
 from pagedserve.router.config import RouterConfig
 from pagedserve.router.server import start_router_in_thread

@@ -14,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from pagedserve.common.detokenizer import IncrementalDetokenizer
+from pagedserve.common.core.detokenizer import IncrementalDetokenizer
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog. hello world, the end is near!",

@@ -18,14 +18,14 @@ import pytest
 import torch
 from builders import load_hf, tiny_checkpoint
 
-from pagedserve.common.config import (
+from pagedserve.common.api.sampling_params import SamplingParams
+from pagedserve.common.core.config import (
     CPU_FLAGS_ENV,
     cpu_flags,
     cpu_has_native_bf16,
     resolve_dtype,
 )
-from pagedserve.common.llm import LLM
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.core.llm import LLM
 
 AMX_XEON = frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
 BF16_ONLY = frozenset({"avx512f", "avx512_bf16"})

@@ -14,11 +14,12 @@ import pytest
 import torch
 from builders import hf_greedy, load_hf, one_torch_thread, tiny_checkpoint  # noqa: F401
 
-from pagedserve.common.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
-from pagedserve.common.engine import LLMEngine
-from pagedserve.common.llm import LLM
-from pagedserve.common.sampling_params import InvalidRequestError, SamplingParams
-from pagedserve.common.sequence import FinishReason
+from pagedserve.common.api.limits import ConfigError
+from pagedserve.common.api.outputs import FinishReason
+from pagedserve.common.api.sampling_params import InvalidRequestError, SamplingParams
+from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedserve.common.core.engine import LLMEngine
+from pagedserve.common.core.llm import LLM
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

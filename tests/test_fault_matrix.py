@@ -45,9 +45,9 @@ from builders import one_torch_thread, tiny_checkpoint  # noqa: F401 (autouse fi
 from fixtures_redis import RedisServer, free_port
 from router_fixtures import MAX_MODEL_LEN, ROUTER_CONFIG, Cluster, tiny_engine_config, wait_for
 
-from pagedserve.common.llm import LLM
-from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.common.worker import WorkerConfig, WorkerRuntime
+from pagedserve.common.api.sampling_params import SamplingParams
+from pagedserve.common.core.llm import LLM
+from pagedserve.common.runtime.worker import WorkerConfig, WorkerRuntime
 from pagedserve.kvtransfer import faults
 from pagedserve.kvtransfer.faults import CHUNK, FaultInjector, FaultSpec
 from pagedserve.router.client import Client

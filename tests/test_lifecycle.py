@@ -31,9 +31,9 @@ from fixtures_redis import free_port
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router_fixtures import ROUTER_CONFIG, start_cluster, tiny_engine_config, wait_for
 
-from pagedserve.common.protocol import sampling_to_pb
-from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.common.worker import WorkerConfig
+from pagedserve.common.api.sampling_params import SamplingParams
+from pagedserve.common.runtime.protocol import sampling_to_pb
+from pagedserve.common.runtime.worker import WorkerConfig
 from pagedserve.router.client import build_request
 from pagedserve.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pagedserve.worker import start_worker
@@ -320,7 +320,10 @@ def tiny_args(*extra: str) -> list[str]:
 
 
 def test_sigterm_drains_in_flight_streams_and_exits_0(launch, redis_server_factory):
-    from pagedserve.common.prefix_index.worker_registry import TOMBSTONE, RedisWorkerRegistry
+    from pagedserve.common.runtime.prefix_index.worker_registry import (
+        TOMBSTONE,
+        RedisWorkerRegistry,
+    )
 
     redis_url = redis_server_factory.start().url
     up = launch(

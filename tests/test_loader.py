@@ -20,15 +20,13 @@ from builders import (
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from pagedserve.common import loader
-from pagedserve.common.kv_cache import KVCache, num_blocks_for_budget
-from pagedserve.common.loader import (
-    DEFAULT_MODEL,
-    load_model,
-    resolve_model_dir,
-)
-from pagedserve.common.model_config import ModelSpec, UnsupportedModelError
-from pagedserve.common.tokenizer import encode_chat
+from pagedserve.common.api import checkpoint
+from pagedserve.common.api.checkpoint import DEFAULT_MODEL
+from pagedserve.common.api.model_config import ModelSpec, UnsupportedModelError
+from pagedserve.common.api.tokenizer import encode_chat
+from pagedserve.common.core import loader
+from pagedserve.common.core.kv_cache import KVCache, num_blocks_for_budget
+from pagedserve.common.core.loader import load_model, resolve_model_dir
 
 SMOLLM_CONFIG = dict(
     model_type="llama",
@@ -298,7 +296,7 @@ def test_bad_paths_dtypes_devices_and_backends(tmp_path):
 
 
 def test_head_dim_the_triton_kernels_cannot_run_fails_at_load(tmp_path):
-    pytest.importorskip("pagedserve.common.attention.triton_backend")
+    pytest.importorskip("pagedserve.common.core.attention.triton_backend")
     ckpt = tmp_path / "wide-heads"
     ckpt.mkdir()  # the check precedes any weight read: a config is enough
     (ckpt / "config.json").write_text(
@@ -352,7 +350,7 @@ def test_cache_is_published_atomically_and_reused(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [DEFAULT_MODEL]
     assert (dest / "model.safetensors").is_file()
     assert resolve_model_dir(None) == dest and len(calls) == 2  # cached: no conversion
-    _edit_json(dest / loader._SOURCE_MARKER, gguf_bytes=1)  # a different GGUF
+    _edit_json(dest / checkpoint._SOURCE_MARKER, gguf_bytes=1)  # a different GGUF
     assert resolve_model_dir(None) == dest and len(calls) == 3  # rebuilt
 
 
@@ -411,9 +409,9 @@ def test_model_by_hub_id_from_the_local_cache(tmp_path, monkeypatch):
 def test_hub_cache_location_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    assert loader.hub_cache_dir() == tmp_path / "hf" / "hub"
+    assert checkpoint.hub_cache_dir() == tmp_path / "hf" / "hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
-    assert loader.hub_cache_dir() == tmp_path / "elsewhere"
+    assert checkpoint.hub_cache_dir() == tmp_path / "elsewhere"
 
 
 def test_quantized_checkpoint_is_refused_before_loading_weights(tmp_path):

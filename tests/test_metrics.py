@@ -21,9 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from router_fixtures import ROUTER_CONFIG, Cluster, tiny_engine_config, wait_for
 
 from pagedserve import launch
-from pagedserve.common.config import ConfigError
-from pagedserve.common.metrics import WorkerIdentity, WorkerMetrics, WorkerSnapshot
-from pagedserve.common.worker import WorkerConfig
+from pagedserve.common.api.limits import ConfigError
+from pagedserve.common.runtime.metrics import WorkerIdentity, WorkerMetrics, WorkerSnapshot
+from pagedserve.common.runtime.worker import WorkerConfig
 from pagedserve.router.config import RouterConfig
 from pagedserve.router.metrics import RouterSnapshot
 from pagedserve.router.metrics import families as router_families

@@ -22,9 +22,9 @@ from builders import (
 )
 from transformers import DynamicCache
 
-from pagedserve.common.attention.base import AttentionMetadata
-from pagedserve.common.kv_cache import KVCache
-from pagedserve.common.loader import load_model
+from pagedserve.common.core.attention.base import AttentionMetadata
+from pagedserve.common.core.kv_cache import KVCache
+from pagedserve.common.core.loader import load_model
 
 ARCHS = ["llama", "llama3", "qwen2", "qwen3"]
 NEW_TOKENS = 64
@@ -151,7 +151,7 @@ def test_triton_backend_gives_the_same_greedy_tokens(arch):
     """The model over the Triton kernels (interpreted on CPU) vs the torch backend:
     batched prefill, then a prefix-cache hit prefilled in the same step as two
     decodes, then decode; 17 tokens for the first two sequences, 13 for the third."""
-    pytest.importorskip("pagedserve.common.attention.triton_backend")
+    pytest.importorskip("pagedserve.common.core.attention.triton_backend")
     path = tiny_checkpoint(arch)
     tokens = {}
     for backend in ("torch", "triton"):
@@ -229,7 +229,7 @@ def smollm():
 @pytest.mark.slow
 def test_default_model_chat_greedy_matches_transformers(smollm):
     loaded, hf = smollm
-    from pagedserve.common.tokenizer import encode_chat
+    from pagedserve.common.api.tokenizer import encode_chat
 
     prompts = {
         f"chat{i}": encode_chat(loaded.tokenizer, [{"role": "user", "content": text}])

@@ -38,8 +38,8 @@ from builders import tiny_checkpoint
 from netns import ControlledProcess, End, NetLab
 from router_fixtures import MAX_MODEL_LEN, ROUTER_CONFIG, wait_for
 
-from pagedserve.common.llm import LLM
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.api.sampling_params import SamplingParams
+from pagedserve.common.core.llm import LLM
 from pagedserve.router.client import Client
 
 pytestmark = pytest.mark.slow
@@ -62,8 +62,8 @@ WORKER_MAIN = r"""
 import json, sys
 import torch
 torch.set_num_threads(1)
-from pagedserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
-from pagedserve.common.worker import WorkerConfig
+from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedserve.common.runtime.worker import WorkerConfig
 from pagedserve.kvtransfer import faults
 from pagedserve.worker import start_worker
 

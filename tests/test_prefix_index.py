@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-from pagedserve.common.prefix_index import (
+from pagedserve.common.runtime.prefix_index import (
     HASH_SIZE,
     ApplyResult,
     EmbeddedPrefixIndex,
@@ -33,7 +33,7 @@ from pagedserve.common.prefix_index import (
     WorkerIndexState,
     open_prefix_index,
 )
-from pagedserve.common.prefix_index.redis import RedisPrefixIndex, redact_url
+from pagedserve.common.runtime.prefix_index.redis import RedisPrefixIndex, redact_url
 
 pytest_plugins = ["fixtures_redis"]
 
@@ -766,7 +766,8 @@ def test_redis_constructor_rejects_bad_arguments() -> None:
 
 
 def test_publisher_with_the_block_manager_and_router_hashes(make_index) -> None:
-    from pagedserve.common.block_manager import BlockManager, block_hashes
+    from pagedserve.common.api.hashing import block_hashes
+    from pagedserve.common.core.block_manager import BlockManager
 
     index = make_index()
     manager = BlockManager(num_blocks=6, block_size=4, model_id="tiny")
@@ -869,7 +870,7 @@ def test_embedded_path_does_not_import_redis() -> None:
     """Engine core rule: only prefix_index/redis.py imports redis, and only when asked for."""
     code = (
         "import sys\n"
-        "from pagedserve.common.prefix_index import open_prefix_index, IndexPublisher\n"
+        "from pagedserve.common.runtime.prefix_index import open_prefix_index, IndexPublisher\n"
         "open_prefix_index(None, 'm').match([])\n"
         "print('redis' in sys.modules)\n"
     )

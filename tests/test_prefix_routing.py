@@ -20,10 +20,13 @@ from builders import one_torch_thread, tiny_checkpoint  # noqa: F401 (autouse fi
 from fixtures_redis import RedisServer
 from router_fixtures import MAX_MODEL_LEN, ROUTER_CONFIG, Cluster, tiny_engine_config, wait_for
 
-from pagedserve.common.llm import LLM
-from pagedserve.common.prefix_index.worker_registry import RedisWorkerRegistry, RegistryPublisher
-from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.common.worker import WorkerRuntime
+from pagedserve.common.api.sampling_params import SamplingParams
+from pagedserve.common.core.llm import LLM
+from pagedserve.common.runtime.prefix_index.worker_registry import (
+    RedisWorkerRegistry,
+    RegistryPublisher,
+)
+from pagedserve.common.runtime.worker import WorkerRuntime
 from pagedserve.router.config import PrefixRouting
 from pagedserve.router.cost import TransferEstimator
 from pagedserve.router.policy import PrefixAwarePolicy, PrefixMatch, RoundRobinPolicy, RouteRequest
@@ -162,7 +165,7 @@ def cached(rt: WorkerRuntime) -> set[bytes]:
 
 def chain(rt: WorkerRuntime, ids: list[int], salt: str | None = None) -> list[bytes]:
     """The block hashes the router computes for `ids` (all full blocks but the last token's)."""
-    from pagedserve.common.block_manager import block_hashes
+    from pagedserve.common.api.hashing import block_hashes
 
     return block_hashes(ids[:-1], BLOCK, rt.engine.model_id, salt)
 

@@ -28,13 +28,13 @@ import pytest
 import torch
 from builders import one_torch_thread, tiny_checkpoint  # noqa: F401
 
-from pagedserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
-from pagedserve.common.engine import LLMEngine
-from pagedserve.common.engine_loop import EngineBusy, EngineLoop
-from pagedserve.common.llm import LLM
-from pagedserve.common.protocol import sampling_to_pb
-from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.common.worker import WorkerConfig, WorkerRuntime
+from pagedserve.common.api.sampling_params import SamplingParams
+from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedserve.common.core.engine import LLMEngine
+from pagedserve.common.core.engine_loop import EngineBusy, EngineLoop
+from pagedserve.common.core.llm import LLM
+from pagedserve.common.runtime.protocol import sampling_to_pb
+from pagedserve.common.runtime.worker import WorkerConfig, WorkerRuntime
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.segment import segment_name
 from pagedserve.kvtransfer.source import SERVICE_NAME

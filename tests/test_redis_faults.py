@@ -31,10 +31,13 @@ from builders import one_torch_thread  # noqa: F401 (autouse fixture)
 from fixtures_redis import RedisServer, free_port
 from router_fixtures import ROUTER_CONFIG, Cluster, tiny_engine_config, wait_for
 
-from pagedserve.common.prefix_index import IndexEvent, IndexPublisher, IndexUnavailableError
-from pagedserve.common.prefix_index.faults import Backoff, LogLimiter
-from pagedserve.common.prefix_index.redis import RedisPrefixIndex
-from pagedserve.common.prefix_index.worker_registry import RedisWorkerRegistry, RegistryPublisher
+from pagedserve.common.runtime.prefix_index import IndexEvent, IndexPublisher, IndexUnavailableError
+from pagedserve.common.runtime.prefix_index.faults import Backoff, LogLimiter
+from pagedserve.common.runtime.prefix_index.redis import RedisPrefixIndex
+from pagedserve.common.runtime.prefix_index.worker_registry import (
+    RedisWorkerRegistry,
+    RegistryPublisher,
+)
 from pagedserve.router.server import Router, start_router_in_thread
 from pagedserve.v1 import worker_pb2
 
@@ -491,9 +494,9 @@ def test_clients_name_themselves_with_timeouts_set(cluster: Cluster, redis_modul
 def test_index_sync_overflow_drops_the_queue_and_resyncs(fault: Fault):
     """More events than the queue holds: dropped at once on the engine thread (which
     never waits), then a resync from a snapshot taken after the loss, as for a GAP."""
-    from pagedserve.common.engine import LLMEngine
-    from pagedserve.common.sampling_params import SamplingParams
-    from pagedserve.common.worker import IndexSync, WorkerConfig
+    from pagedserve.common.api.sampling_params import SamplingParams
+    from pagedserve.common.core.engine import LLMEngine
+    from pagedserve.common.runtime.worker import IndexSync, WorkerConfig
 
     cfg = tiny_engine_config()
     engine = LLMEngine(cfg)

@@ -22,9 +22,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 from router_fixtures import MAX_MODEL_LEN, ROUTER_CONFIG, cluster, wait_for  # noqa: F401
 
-from pagedserve.common.llm import LLM
-from pagedserve.common.sampling_params import InvalidRequestError, SamplingParams
-from pagedserve.common.sequence import FinishReason
+from pagedserve.common.api.outputs import FinishReason
+from pagedserve.common.api.sampling_params import InvalidRequestError, SamplingParams
+from pagedserve.common.core.llm import LLM
 from pagedserve.router.admission import Admission, AdmissionRejected
 from pagedserve.router.client import Client, build_request
 from pagedserve.router.config import RouterConfig

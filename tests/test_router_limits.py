@@ -18,12 +18,13 @@ import pytest
 from builders import one_torch_thread, tiny_checkpoint  # noqa: F401 (autouse fixture)
 from router_fixtures import MAX_MODEL_LEN, tiny_engine_config, wait_for
 
-from pagedserve.common.config import ConfigError, EngineConfig, SchedulerConfig
-from pagedserve.common.engine import LLMEngine
-from pagedserve.common.grpc_options import SERVER_OPTIONS
-from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.common.scheduler import QueueFullError
-from pagedserve.common.worker import WorkerConfig, WorkerRuntime
+from pagedserve.common.api.limits import ConfigError
+from pagedserve.common.api.sampling_params import SamplingParams
+from pagedserve.common.core.config import EngineConfig, SchedulerConfig
+from pagedserve.common.core.engine import LLMEngine
+from pagedserve.common.core.scheduler import QueueFullError
+from pagedserve.common.runtime.grpc_options import SERVER_OPTIONS
+from pagedserve.common.runtime.worker import WorkerConfig, WorkerRuntime
 from pagedserve.router.client import Client, explain
 from pagedserve.router.config import PrefixRouting, RouterConfig
 from pagedserve.router.server import RouterHandle, start_router_in_thread

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from pagedserve.common import sampler as sampler_module
-from pagedserve.common.sampler import SampleOutput, Sampler, make_generator
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.api.sampling_params import SamplingParams
+from pagedserve.common.core import sampler as sampler_module
+from pagedserve.common.core.sampler import SampleOutput, Sampler, make_generator
 
 sampler = Sampler()
 

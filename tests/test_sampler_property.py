@@ -22,9 +22,9 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from pagedserve.common import sampler as sampler_module
-from pagedserve.common.sampler import Sampler, make_generator
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.api.sampling_params import SamplingParams
+from pagedserve.common.core import sampler as sampler_module
+from pagedserve.common.core.sampler import Sampler, make_generator
 
 VOCAB = 12
 sampler = Sampler()

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from pagedserve.common.sampling_params import (
+from pagedserve.common.api.sampling_params import (
     InvalidRequestError,
     SamplingParams,
     validate_prompt,

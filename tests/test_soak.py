@@ -19,8 +19,8 @@ from builders import tiny_checkpoint
 from router_fixtures import MAX_MODEL_LEN, ROUTER_CONFIG, start_cluster
 
 from benchmarks.soak import CLEAN, WorkerProbe, inspect_workers, read_rss, report, run_soak
-from pagedserve.common.llm import LLM
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.api.sampling_params import SamplingParams
+from pagedserve.common.core.llm import LLM
 
 pytestmark = pytest.mark.slow
 

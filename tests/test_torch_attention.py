@@ -19,8 +19,8 @@ import pytest
 import torch
 from builders import make_metadata, one_torch_thread  # noqa: F401 (autouse fixture)
 
-from pagedserve.common.attention import get_attention_backend, torch_backend
-from pagedserve.common.attention.torch_backend import TorchAttentionBackend
+from pagedserve.common.core.attention import get_attention_backend, torch_backend
+from pagedserve.common.core.attention.torch_backend import TorchAttentionBackend
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 HEAD_DIM = 32

@@ -26,11 +26,11 @@ import pytest
 import torch
 from builders import PagedSession, hf_greedy, load_hf, tiny_checkpoint
 
-from pagedserve.common.attention.base import AttentionMetadata
-from pagedserve.common.attention.triton_backend import TritonAttentionBackend
-from pagedserve.common.attention.triton_decode import paged_decode_attention
-from pagedserve.common.attention.triton_prefill import paged_prefill_attention
-from pagedserve.common.loader import load_model
+from pagedserve.common.core.attention.base import AttentionMetadata
+from pagedserve.common.core.attention.triton_backend import TritonAttentionBackend
+from pagedserve.common.core.attention.triton_decode import paged_decode_attention
+from pagedserve.common.core.attention.triton_prefill import paged_prefill_attention
+from pagedserve.common.core.loader import load_model
 
 # Relative error ||out - ref|| / ||ref|| against a fp32 reference over the same inputs.
 # fp32: the kernels compute in fp32 throughout; only the summation order differs from the

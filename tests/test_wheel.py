@@ -33,8 +33,8 @@ from pathlib import Path
 import pytest
 from builders import tiny_checkpoint
 
-from pagedserve.common.llm import LLM
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.api.sampling_params import SamplingParams
+from pagedserve.common.core.llm import LLM
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -45,16 +45,16 @@ MAX_TOKENS = 10
 _USE_INSTALLED = """
 import json, sys
 import pagedserve
-from pagedserve.common.llm import LLM
-from pagedserve.common.sampling_params import SamplingParams
+from pagedserve.common.core.llm import LLM
+from pagedserve.common.api.sampling_params import SamplingParams
 
 assert pagedserve.__file__.startswith(sys.prefix), pagedserve.__file__
 llm = LLM(sys.argv[1], dtype="float32", num_blocks=32, max_model_len=128)
 params = SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), ignore_eos=True)
 offline = llm.generate([json.loads(sys.argv[2])], params)[0].completions[0].token_ids
 
-from pagedserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
-from pagedserve.common.worker import WorkerConfig
+from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedserve.common.runtime.worker import WorkerConfig
 from pagedserve.router.client import Client
 from pagedserve.router.config import RouterConfig
 from pagedserve.router.server import start_router_in_thread
@@ -133,7 +133,7 @@ def test_wheel_contents(wheel: Path):
         assert f"pagedserve/v1/{stub}_pb2.py" in names
         assert f"pagedserve/v1/{stub}_pb2_grpc.py" in names
         assert f"pagedserve/proto/pagedserve/v1/{stub}.proto" in names
-    assert "pagedserve/common/attention/cpu_attention.c" in names
+    assert "pagedserve/common/core/attention/cpu_attention.c" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), "no LICENSE"
     assert not any(n.startswith(("benchmarks/", "tests/")) for n in names)
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 from builders import one_torch_thread, tiny_checkpoint  # noqa: F401
 
-from pagedserve.common.config import CacheConfig, EngineConfig, SchedulerConfig
-from pagedserve.common.llm import LLM
-from pagedserve.common.protocol import sampling_to_pb
-from pagedserve.common.sampling_params import SamplingParams
-from pagedserve.common.worker import WorkerConfig, WorkerRuntime
+from pagedserve.common.api.sampling_params import SamplingParams
+from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedserve.common.core.llm import LLM
+from pagedserve.common.runtime.protocol import sampling_to_pb
+from pagedserve.common.runtime.worker import WorkerConfig, WorkerRuntime
 from pagedserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from pagedserve.worker import start_worker
 

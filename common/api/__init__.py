@@ -1,0 +1,12 @@
+"""Torch-free definitions shared by the router, the client and the engine.
+
+Owns: `sampling_params` (SamplingParams, InvalidRequestError, validate_prompt),
+`outputs` (FinishReason, TokenLogprobs, SampleDelta, Usage, RequestOutput,
+RequestError), `hashing` (block hashes), `limits` (ConfigError), `model_config`
+(ModelSpec from a checkpoint's config.json), `tokenizer` (load_tokenizer,
+encode_chat), `checkpoint` (finding a checkpoint dir, the default model's cache).
+
+May import: the standard library, `transformers` tokenizers (never torch at import
+time; `tokenizer` and `model_config` name torch only for type checking). Nothing
+else of pagedserve.
+"""

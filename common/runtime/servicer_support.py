@@ -1,0 +1,73 @@
+"""What the prefill and the decode servicers share, so that neither role imports
+the other: the gRPC status of a request that failed alone, and pulling a prefix's
+blocks from another worker into this one's prefix cache.
+
+Releasing an exporter's lease is `WorkerRuntime.lease_releaser.release` (one path,
+off the request's thread, with a deadline).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from pagedserve.common.api.outputs import ErrorKind, RequestError
+from pagedserve.common.core.engine_loop import EngineBusy
+from pagedserve.common.runtime.worker import WorkerRuntime
+from pagedserve.kvtransfer.handle import ExportedKV
+from pagedserve.kvtransfer.sinks import CacheSink
+from pagedserve.kvtransfer.wire import KVTransferError
+
+logger = logging.getLogger(__name__)
+
+_FAILURE_STATUS = {
+    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+def failure_status(error: RequestError) -> grpc.StatusCode:
+    """The status of a request that failed alone: INVALID_ARGUMENT when its own
+    parameters caused it, INTERNAL otherwise (the message says which and why)."""
+    return _FAILURE_STATUS[error.kind]
+
+
+def import_prefix(rt: WorkerRuntime, rid: str, prefix, prompt: list[int], salt: str) -> int:
+    """Pulls another worker's blocks of the prompt's prefix into this worker's prefix cache.
+
+    Best effort: on any failure the blocks are simply computed here. Returns the
+    blocks pulled. The exporter's lease is released either way. The pull has a
+    deadline (kv_pull_timeout_s): a hung exporter cannot hold the pinned blocks.
+    """
+    pin = f"{rid}#prefix"
+    timeout = rt.config.engine_call_timeout_s
+    try:
+        handle = ExportedKV.from_proto(prefix, rid)
+        plan = rt.loop.call(
+            lambda e: e.reserve_prefix_import(pin, prompt[: handle.num_tokens], salt or None),
+            timeout,
+            on_abandon=lambda e, _plan: e.unpin(pin),
+        )
+        if not plan.block_ids:
+            rt.loop.call(lambda e: e.unpin(pin), timeout)
+            return 0
+        wanted = handle.block_ids[plan.first_block : plan.first_block + len(plan.block_ids)]
+        try:
+            rt.kv_transport.pull_into(
+                handle,
+                CacheSink(rt.engine.kv_cache.kv, plan.block_ids),
+                block_ids=wanted,
+                timeout=rt.config.kv_pull_timeout_s,
+            )
+        except BaseException:
+            rt.loop.call(lambda e: e.unpin(pin), timeout)  # nothing is cached
+            raise
+        rt.loop.call(lambda e: e.commit_prefix_import(pin), timeout)
+        return len(plan.block_ids)
+    except (KVTransferError, ValueError, grpc.RpcError, EngineBusy) as e:
+        logger.warning("prefix pull for %s failed, computing it here: %s", rid, e)
+        return 0
+    finally:
+        if prefix.lease_id:
+            rt.lease_releaser.release(prefix.transfer_address, prefix.lease_id)

@@ -285,14 +285,16 @@ def test_prefill_only_then_import_equals_one_engine(hf_refs):
         outs += pre.step()
     (first,) = outs[-1].samples
     assert first.finish_reason is None and len(first.token_ids) == 1
-    table, hashes, n = pre.held_blocks("x")
+    export = pre.handoff.export_begin("x")
+    assert export is not None
+    table, hashes, n = export.block_ids, export.block_hashes, export.num_tokens
     assert n == len(p) and len(table) == 3 and len(hashes) == 2
     data = pre.kv_cache.read_blocks(table)
-    plan = dec.reserve_import("x", p, GREEDY, {0: first.token_ids[0]})
+    plan = dec.handoff.reserve_import("x", p, GREEDY, {0: first.token_ids[0]})
     assert plan.first_block == 0 and len(plan.block_ids) == 3 and not plan.recompute
     dec.kv_cache.write_blocks(plan.block_ids, data)
-    dec.commit_import("x")
-    assert pre.release_held("x") == 1
+    dec.handoff.commit_import("x")
+    assert pre.handoff.export_end("x") == 1
     pre.check_integrity()
     tokens = []  # the decode role reports every token, the imported first one included
     while dec.has_unfinished_requests():
@@ -366,15 +368,14 @@ def test_engine_config_dataclass_path():
 
 
 def _prefill_on(pre: LLMEngine, rid: str, p: list[int], params: SamplingParams):
-    """Runs the prefill role; returns ({index: first token}, {index: generator state})."""
+    """Runs the prefill role; returns ({index: first token}, its export, or None)."""
     pre.add_request(rid, prompt_token_ids=p, params=params, prefill_only=True)
     firsts: dict[int, int] = {}
     while pre.has_unfinished_requests():
         for out in pre.step():
             for d in out.samples:
                 firsts[d.index] = d.token_ids[0]
-    states = {s.index: s.generator.get_state() for s in pre.held.get(rid, []) if s.generator}
-    return firsts, states
+    return firsts, pre.handoff.export_begin(rid)
 
 
 def _drain(eng: LLMEngine) -> dict[int, list[int]]:
@@ -391,12 +392,12 @@ def test_seeded_parallel_samples_continue_exactly_after_import():
     p = prompts(1, seed=15, lo=37, hi=38)[0]
     one = make_llm().generate([p], params)[0]
     pre, dec = make_llm().engine, make_llm().engine
-    firsts, states = _prefill_on(pre, "s", p, params)
-    table, _, _ = pre.held_blocks("s")
-    plan = dec.reserve_import("s", p, params, firsts, generator_states=states)
-    dec.kv_cache.write_blocks(plan.block_ids, pre.kv_cache.read_blocks(table))
-    dec.commit_import("s")
-    pre.release_held("s")
+    firsts, export = _prefill_on(pre, "s", p, params)
+    states = export.generator_states
+    plan = dec.handoff.reserve_import("s", p, params, firsts, generator_states=states)
+    dec.kv_cache.write_blocks(plan.block_ids, pre.kv_cache.read_blocks(export.block_ids))
+    dec.handoff.commit_import("s")
+    pre.handoff.export_end("s")
     got = _drain(dec)
     assert [got[i] for i in range(3)] == [c.token_ids for c in one.completions]
     dec.check_integrity()
@@ -409,17 +410,17 @@ def test_import_reuses_local_prefix_and_first_token_can_finish():
     dec.add_request("warm", prompt_token_ids=p[:32] + [9, 9], params=GREEDY)
     _drain(dec)  # the decode role now caches p's first 2 blocks
     firsts, _ = _prefill_on(pre, "y", p, GREEDY)
-    plan = dec.reserve_import("y", p, GREEDY, firsts)
+    plan = dec.handoff.reserve_import("y", p, GREEDY, firsts)
     assert plan.local_hit_tokens == 32 and plan.first_block == 2 and len(plan.block_ids) == 1
-    dec.cancel_import("y", recompute=True)  # pretend the pull failed: recompute locally
+    dec.handoff.cancel_import("y", recompute=True)  # pretend the pull failed: recompute locally
     got = _drain(dec)[0]
     assert got == make_llm().generate([p], GREEDY)[0].completions[0].token_ids
-    pre.release_held("y")
+    pre.handoff.export_end("y")
     # max_tokens=1: the first token ends the request; nothing is imported or held.
     one = SamplingParams(temperature=0, max_tokens=1)
-    firsts, _ = _prefill_on(pre, "z", p, one)
-    assert "z" not in pre.held
-    plan = dec.reserve_import("z", p, one, firsts)
+    firsts, export = _prefill_on(pre, "z", p, one)
+    assert export is None and "z" not in pre.handoff.held
+    plan = dec.handoff.reserve_import("z", p, one, firsts)
     assert plan.block_ids == [] and not plan.recompute
     out = dec.step()
     assert out[0].finished and out[0].samples[0].finish_reason is FinishReason.LENGTH

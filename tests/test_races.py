@@ -102,9 +102,7 @@ def wait_clean(*rts: WorkerRuntime) -> None:
         return bool(
             e.block_manager.usage() > 0
             or e.requests
-            or e.held
-            or e.importing
-            or e.pinned
+            or not e.handoff.is_idle()
             or rt.kv_source.open_leases
         )
 
@@ -114,7 +112,8 @@ def wait_clean(*rts: WorkerRuntime) -> None:
     for rt in rts:
         rt.check_integrity()
         e = rt.engine
-        assert (e.requests, e.held, e.importing, e.pinned) == ({}, {}, {}, set())
+        h = e.handoff
+        assert (e.requests, h.held, h.importing, h.pinned) == ({}, {}, {}, set())
         assert e.block_manager.usage() == 0.0
         assert rt.kv_source.open_leases == 0
 
@@ -317,9 +316,9 @@ def test_abort_during_export_never_frees_blocks_being_copied(prefill_worker, ref
             worker_pb2.AbortRequest(request_id="A"), timeout=10
         )
         deadline = time.monotonic() + 10
-        while pre.engine.held and time.monotonic() < deadline:
+        while pre.engine.handoff.held and time.monotonic() < deadline:
             time.sleep(0.02)  # the abort ran on the engine thread
-        assert not pre.engine.held
+        assert not pre.engine.handoff.held
         c_tokens, _ = decode(
             pre, worker_pb2.DecodeRequest(request=tokenized("C", c_prompt, greedy(4)))
         )
@@ -400,7 +399,9 @@ def blocked(loop: EngineLoop) -> Iterator[None]:
 def assert_engine_clean(loop: EngineLoop) -> None:
     e = loop.engine
     loop.call(lambda eng: eng.check_integrity())
-    state = loop.call(lambda eng: (eng.requests, eng.held, eng.importing, eng.pinned))
+    state = loop.call(
+        lambda eng: (eng.requests, eng.handoff.held, eng.handoff.importing, eng.handoff.pinned)
+    )
     assert state == ({}, {}, {}, set())
     assert loop.call(lambda eng: eng.block_manager.usage()) == 0.0
     assert not loop._streams
@@ -412,9 +413,9 @@ def test_call_abandoned_before_it_runs_never_runs(engine):
     with loop_of(engine) as loop:
         with blocked(loop), pytest.raises(EngineBusy, match="did not run the command"):
             loop.call(
-                lambda e: ran.append(e.reserve_prefix_import("p", prompt(1, 40), None)),
+                lambda e: ran.append(e.handoff.reserve_prefix_import("p", prompt(1, 40), None)),
                 timeout=0.1,
-                on_abandon=lambda e, _r: e.unpin("p"),
+                on_abandon=lambda e, _r: e.handoff.unpin("p"),
             )
         assert_engine_clean(loop)
     assert ran == []
@@ -426,14 +427,14 @@ def test_call_abandoned_while_running_is_undone(engine):
     undone = []
 
     def slow_reserve(e: LLMEngine):
-        plan = e.reserve_prefix_import("p", prompt(2, 40), None)
+        plan = e.handoff.reserve_prefix_import("p", prompt(2, 40), None)
         taken.set()
         go.wait(30)
         return plan
 
     def undo(e: LLMEngine, plan) -> None:
         undone.append(plan)
-        e.unpin("p")
+        e.handoff.unpin("p")
 
     with loop_of(engine) as loop:
         threading.Timer(0.3, go.set).start()
@@ -461,10 +462,10 @@ def test_submit_abandoned_leaves_no_request(engine, kind, when):
         "prefill": lambda e: e.add_request(
             "r", prompt_token_ids=p, params=greedy(4), prefill_only=True
         ),
-        "import": lambda e: e.reserve_import("r", p, greedy(4), {0: 5}),
+        "import": lambda e: e.handoff.reserve_import("r", p, greedy(4), {0: 5}),
         "plain": lambda e: e.add_request("r", prompt_token_ids=p, params=greedy(4)),
     }
-    undo = (lambda e: e.cancel_import("r", recompute=False)) if kind == "import" else None
+    undo = (lambda e: e.handoff.cancel_import("r", recompute=False)) if kind == "import" else None
 
     def add(e: LLMEngine) -> None:
         adds[kind](e)
@@ -548,7 +549,7 @@ def test_export_past_the_lease_cap_is_resource_exhausted(prefill_worker):
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "1 leases open, at most 1" in err.value.details()
         assert rt.kv_source.refused_total == 1
-        assert rt.engine.held == {}  # the refused request's blocks went back
+        assert rt.engine.handoff.held == {}  # the refused request's blocks went back
         prefill_stub(rt).ReleaseLease(worker_pb2.ReleaseLeaseRequest(lease_id=first.lease_id))
         export(rt, "cap-3", prompt(33, 40), greedy(4))  # room again
         for lease in list(rt.kv_source._leases):

@@ -14,10 +14,12 @@ import grpc
 
 from pagedserve.common.api.outputs import ErrorKind, RequestError
 from pagedserve.common.core.engine_loop import EngineBusy
+from pagedserve.common.core.handoff import HandoffCalls
 from pagedserve.common.runtime.worker import WorkerRuntime
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.sinks import CacheSink
 from pagedserve.kvtransfer.wire import KVTransferError
+from pagedserve.v1 import kvtransfer_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +35,14 @@ def failure_status(error: RequestError) -> grpc.StatusCode:
     return _FAILURE_STATUS[error.kind]
 
 
-def import_prefix(rt: WorkerRuntime, rid: str, prefix, prompt: list[int], salt: str) -> int:
+def import_prefix(
+    rt: WorkerRuntime,
+    handoff: HandoffCalls,
+    rid: str,
+    prefix: kvtransfer_pb2.KVHandle,
+    prompt: list[int],
+    salt: str | None,
+) -> int:
     """Pulls another worker's blocks of the prompt's prefix into this worker's prefix cache.
 
     Best effort: on any failure the blocks are simply computed here. Returns the
@@ -41,16 +50,10 @@ def import_prefix(rt: WorkerRuntime, rid: str, prefix, prompt: list[int], salt: 
     deadline (kv_pull_timeout_s): a hung exporter cannot hold the pinned blocks.
     """
     pin = f"{rid}#prefix"
-    timeout = rt.config.engine_call_timeout_s
     try:
         handle = ExportedKV.from_proto(prefix, rid)
-        plan = rt.loop.call(
-            lambda e: e.reserve_prefix_import(pin, prompt[: handle.num_tokens], salt or None),
-            timeout,
-            on_abandon=lambda e, _plan: e.unpin(pin),
-        )
-        if not plan.block_ids:
-            rt.loop.call(lambda e: e.unpin(pin), timeout)
+        plan = handoff.reserve_prefix_import(pin, prompt[: handle.num_tokens], salt)
+        if not plan.block_ids:  # nothing to pull, so nothing was pinned
             return 0
         wanted = handle.block_ids[plan.first_block : plan.first_block + len(plan.block_ids)]
         try:
@@ -61,9 +64,9 @@ def import_prefix(rt: WorkerRuntime, rid: str, prefix, prompt: list[int], salt: 
                 timeout=rt.config.kv_pull_timeout_s,
             )
         except BaseException:
-            rt.loop.call(lambda e: e.unpin(pin), timeout)  # nothing is cached
+            handoff.unpin(pin)  # nothing is cached
             raise
-        rt.loop.call(lambda e: e.commit_prefix_import(pin), timeout)
+        handoff.commit_prefix_import(pin)
         return len(plan.block_ids)
     except (KVTransferError, ValueError, grpc.RpcError, EngineBusy) as e:
         logger.warning("prefix pull for %s failed, computing it here: %s", rid, e)

@@ -4,6 +4,25 @@ blocks from another worker into this one's prefix cache.
 
 Releasing an exporter's lease is `WorkerRuntime.lease_releaser.release` (one path,
 off the request's thread, with a deadline).
+
+Where a request is checked (the trust boundary, decided here for both roles):
+
+- Converted once per hop, in one place: `protocol.sampling_from_pb` (the servicers
+  call nothing else on the sampling message).
+- Validated by one set of rules, `SamplingParams.validate` and `validate_prompt`
+  (common/api), applied at the client edge by the router's frontend with the
+  router's limits: a bad client request is refused there, before any worker.
+- The workers are an internal plane: the servicers check nothing of their own and
+  trust the router for policy. They do not trust it for safety: the engine's one
+  admission (`LLMEngine._admit`, behind `add_request` and
+  `handoff.reserve_import`) applies the same rules against the engine's own model
+  (vocabulary, max_model_len, max_n) before taking a block, and the hand-off checks
+  what only it reads (first tokens, generator states). A message the router did
+  not check (another router version or limits, a direct internal client, a bug)
+  thus ends as INVALID_ARGUMENT for that request alone, never as a crash of the
+  batch (a token id past the vocabulary would fail the forward of every request in
+  it). The cost is a few comparisons per request; the offline `LLM` gets the same
+  guarantee from the same code.
 """
 
 from __future__ import annotations

@@ -537,6 +537,22 @@ def test_rpcs_that_time_out_on_a_busy_loop_leave_nothing(impatient, prefill_work
     wait_clean(rt, pre)
 
 
+def test_import_with_a_corrupt_generator_state_is_invalid_argument(prefill_worker):
+    """A KV handle whose seeded generator state is not one (a bad internal message):
+    the Decode ends with INVALID_ARGUMENT naming it, nothing is held and the
+    exporter's lease is released at once (not left to its TTL)."""
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=4, ignore_eos=True)
+    p = prompt(41, 40)
+    kv = export(prefill_worker, "gs", p, seeded)
+    assert kv.first_tokens[0].generator_state and prefill_worker.kv_source.open_leases == 1
+    kv.first_tokens[0].generator_state = b"not a generator state"
+    with pytest.raises(grpc.RpcError) as err:
+        decode(prefill_worker, worker_pb2.DecodeRequest(request=tokenized("gs", p, seeded), kv=kv))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "generator state of sample 0" in err.value.details()
+    wait_clean(prefill_worker)
+
+
 # -- 3. KV staging is capped ------------------------------------------------------------
 
 

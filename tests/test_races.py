@@ -33,6 +33,7 @@ from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerCo
 from pagedserve.common.core.engine import LLMEngine
 from pagedserve.common.core.engine_loop import EngineBusy, EngineLoop
 from pagedserve.common.core.llm import LLM
+from pagedserve.common.runtime.leases import LeaseReleaser
 from pagedserve.common.runtime.protocol import sampling_to_pb
 from pagedserve.common.runtime.worker import WorkerConfig, WorkerRuntime
 from pagedserve.kvtransfer.handle import ExportedKV
@@ -42,7 +43,6 @@ from pagedserve.kvtransfer.transport import (
     ChannelCache,
     GrpcTransport,
     KVTransport,
-    LeaseReleaser,
 )
 from pagedserve.kvtransfer.wire import KVTransferError
 from pagedserve.v1 import kvtransfer_pb2, worker_pb2, worker_pb2_grpc
@@ -688,7 +688,7 @@ def test_pull_from_a_hung_peer_ends_at_the_transport_deadline(hung_peer, prefill
 
 def test_release_to_a_hung_peer_ends_at_its_deadline_on_bounded_threads(hung_peer):
     before = set(threading.enumerate())
-    releaser = LeaseReleaser(timeout_s=0.3, max_threads=2)
+    releaser = LeaseReleaser(ChannelCache(), timeout_s=0.3, max_threads=2)
     try:
         done = [releaser.release(hung_peer.address, f"lease-{i}") for i in range(6)]
         new = set(threading.enumerate()) - before

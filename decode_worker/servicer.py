@@ -32,7 +32,7 @@ from pagedserve.common.core.engine_loop import (
     RequestFailed,
     RequestStream,
 )
-from pagedserve.common.core.handoff import HandoffCalls, ImportPlan
+from pagedserve.common.core.handoff import HandedOver, HandoffCalls, ImportPlan
 from pagedserve.common.core.scheduler import QueueFullError
 from pagedserve.common.core.sequence import Request
 from pagedserve.common.runtime.protocol import delta_to_pb, logprobs_from_pb, sampling_from_pb
@@ -42,7 +42,7 @@ from pagedserve.kvtransfer.faults import fault_point
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.sinks import CacheSink
 from pagedserve.kvtransfer.wire import ChunkHeader, KVSink, KVTransferError
-from pagedserve.v1 import worker_pb2, worker_pb2_grpc
+from pagedserve.v1 import kvtransfer_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.1  # how often a streaming handler checks that its caller is still there
@@ -68,22 +68,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
             if request.HasField("kv"):
                 kv = request.kv
                 stream, plan = self.handoff.reserve_import(
-                    rid,
-                    prompt,
-                    params,
-                    {i: t.token_id for i, t in enumerate(kv.first_tokens)},
-                    first_logprobs={
-                        i: logprobs_from_pb(t.logprobs)
-                        for i, t in enumerate(kv.first_tokens)
-                        if t.HasField("logprobs")
-                    },
-                    generator_states={
-                        i: t.generator_state
-                        for i, t in enumerate(kv.first_tokens)
-                        if t.generator_state
-                    },
-                    cache_salt=salt,
-                    cached_tokens=kv.cached_tokens,
+                    rid, prompt, params, handed_over_from_pb(kv), salt
                 )
             else:
                 if request.HasField("prefix"):
@@ -230,3 +215,16 @@ class StopOnCancel:
     def _check(self) -> None:
         if self.cancelled.is_set():
             raise KVTransferError("the request ended (cancelled or past its deadline)")
+
+
+def handed_over_from_pb(kv: kvtransfer_pb2.KVHandle) -> HandedOver:
+    """What the prefill role handed over besides the K/V, read off its KVHandle."""
+    firsts = list(enumerate(kv.first_tokens))
+    return HandedOver(
+        first_tokens={i: t.token_id for i, t in firsts},
+        first_logprobs={
+            i: logprobs_from_pb(t.logprobs) for i, t in firsts if t.HasField("logprobs")
+        },
+        generator_states={i: t.generator_state for i, t in firsts if t.generator_state},
+        cached_tokens=kv.cached_tokens,
+    )

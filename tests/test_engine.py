@@ -19,6 +19,7 @@ from pagedserve.common.api.outputs import FinishReason
 from pagedserve.common.api.sampling_params import InvalidRequestError, SamplingParams
 from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedserve.common.core.engine import LLMEngine
+from pagedserve.common.core.handoff import HandedOver
 from pagedserve.common.core.llm import LLM
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -290,7 +291,7 @@ def test_prefill_only_then_import_equals_one_engine(hf_refs):
     table, hashes, n = export.block_ids, export.block_hashes, export.num_tokens
     assert n == len(p) and len(table) == 3 and len(hashes) == 2
     data = pre.kv_cache.read_blocks(table)
-    plan = dec.handoff.reserve_import("x", p, GREEDY, {0: first.token_ids[0]})
+    plan = dec.handoff.reserve_import("x", p, GREEDY, HandedOver({0: first.token_ids[0]}))
     assert plan.first_block == 0 and len(plan.block_ids) == 3 and not plan.recompute
     dec.kv_cache.write_blocks(plan.block_ids, data)
     dec.handoff.commit_import("x")
@@ -394,7 +395,7 @@ def test_seeded_parallel_samples_continue_exactly_after_import():
     pre, dec = make_llm().engine, make_llm().engine
     firsts, export = _prefill_on(pre, "s", p, params)
     states = export.generator_states
-    plan = dec.handoff.reserve_import("s", p, params, firsts, generator_states=states)
+    plan = dec.handoff.reserve_import("s", p, params, HandedOver(firsts, generator_states=states))
     dec.kv_cache.write_blocks(plan.block_ids, pre.kv_cache.read_blocks(export.block_ids))
     dec.handoff.commit_import("s")
     pre.handoff.export_end("s")
@@ -410,7 +411,7 @@ def test_import_reuses_local_prefix_and_first_token_can_finish():
     dec.add_request("warm", prompt_token_ids=p[:32] + [9, 9], params=GREEDY)
     _drain(dec)  # the decode role now caches p's first 2 blocks
     firsts, _ = _prefill_on(pre, "y", p, GREEDY)
-    plan = dec.handoff.reserve_import("y", p, GREEDY, firsts)
+    plan = dec.handoff.reserve_import("y", p, GREEDY, HandedOver(firsts))
     assert plan.local_hit_tokens == 32 and plan.first_block == 2 and len(plan.block_ids) == 1
     dec.handoff.cancel_import("y", recompute=True)  # pretend the pull failed: recompute locally
     got = _drain(dec)[0]
@@ -420,7 +421,7 @@ def test_import_reuses_local_prefix_and_first_token_can_finish():
     one = SamplingParams(temperature=0, max_tokens=1)
     firsts, export = _prefill_on(pre, "z", p, one)
     assert export is None and "z" not in pre.handoff.held
-    plan = dec.handoff.reserve_import("z", p, one, firsts)
+    plan = dec.handoff.reserve_import("z", p, one, HandedOver(firsts))
     assert plan.block_ids == [] and not plan.recompute
     out = dec.step()
     assert out[0].finished and out[0].samples[0].finish_reason is FinishReason.LENGTH
@@ -428,3 +429,14 @@ def test_import_reuses_local_prefix_and_first_token_can_finish():
     for eng in (pre, dec):
         eng.check_integrity()
         assert eng.block_manager.usage() == 0.0
+
+
+def test_import_with_a_bad_generator_state_is_refused_before_any_block():
+    dec = make_llm().engine
+    params = SamplingParams(temperature=0.9, n=2, seed=3, max_tokens=4, ignore_eos=True)
+    handed = HandedOver({0: 5, 1: 6}, generator_states={1: b"junk"})
+    with pytest.raises(InvalidRequestError, match="generator state of sample 1"):
+        dec.handoff.reserve_import("g", [7] * 20, params, handed)
+    assert not dec.requests and dec.handoff.is_idle()
+    assert dec.block_manager.usage() == 0.0
+    dec.check_integrity()

@@ -32,6 +32,7 @@ from pagedserve.common.api.sampling_params import SamplingParams
 from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedserve.common.core.engine import LLMEngine
 from pagedserve.common.core.engine_loop import EngineBusy, EngineLoop
+from pagedserve.common.core.handoff import HandedOver
 from pagedserve.common.core.llm import LLM
 from pagedserve.common.runtime.leases import LeaseReleaser
 from pagedserve.common.runtime.protocol import sampling_to_pb
@@ -462,7 +463,7 @@ def test_submit_abandoned_leaves_no_request(engine, kind, when):
         "prefill": lambda e: e.add_request(
             "r", prompt_token_ids=p, params=greedy(4), prefill_only=True
         ),
-        "import": lambda e: e.handoff.reserve_import("r", p, greedy(4), {0: 5}),
+        "import": lambda e: e.handoff.reserve_import("r", p, greedy(4), HandedOver({0: 5})),
         "plain": lambda e: e.add_request("r", prompt_token_ids=p, params=greedy(4)),
     }
     undo = (lambda e: e.handoff.cancel_import("r", recompute=False)) if kind == "import" else None

@@ -34,9 +34,10 @@ request is admitted, and its first tokens are checked, exactly as `add_request` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -47,6 +48,8 @@ from pagedserve.common.core.sequence import Sequence, SequenceStatus
 if TYPE_CHECKING:
     from pagedserve.common.core.engine import LLMEngine
     from pagedserve.common.core.engine_loop import EngineLoop, RequestStream
+
+T = TypeVar("T")
 
 
 def import_pin_id(request_id: str) -> str:
@@ -67,6 +70,16 @@ class ExportPlan:
     block_hashes: list[bytes]  # prefix-cache hashes of the full blocks (request exports)
     num_tokens: int  # tokens with K/V in those blocks
     generator_states: dict[int, bytes]  # sample index -> its seeded generator's state
+
+
+@dataclass(frozen=True)
+class HandedOver:
+    """What the prefill role hands the decode role besides the K/V, by sample index."""
+
+    first_tokens: dict[int, int]  # every sample's first token, sampled by the prefill role
+    first_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    generator_states: dict[int, bytes] = field(default_factory=dict)  # seeded samples
+    cached_tokens: int = 0  # prompt tokens the prefill role found cached (usage)
 
 
 @dataclass(frozen=True)
@@ -173,18 +186,14 @@ class KVHandoff:
         request_id: str,
         prompt_token_ids: Seq[int],
         params: SamplingParams,
-        first_tokens: dict[int, int],
-        *,
-        first_logprobs: dict[int, TokenLogprobs] | None = None,
-        generator_states: dict[int, bytes] | None = None,
+        handed: HandedOver,
         cache_salt: str | None = None,
-        cached_tokens: int = 0,
     ) -> ImportPlan:
         """Starts a request whose prompt K/V was computed by the prefill role.
 
         Admitted (validated, refused when the queue is full) as `add_request` does.
-        first_tokens maps every sample index to the first token the prefill role
-        sampled; they are reported (and checked for EOS/stop/length) as this engine's
+        handed.first_tokens maps every sample index to the first token the prefill
+        role sampled; they are reported (and checked for EOS/stop/length) as this engine's
         own first output. The prompt's blocks are allocated, local prefix hits first;
         the caller writes the K/V of `plan.block_ids` (the rest of the block table
         from `plan.first_block` on), then calls `commit_import`, or `cancel_import`.
@@ -195,6 +204,7 @@ class KVHandoff:
         ids = list(prompt_token_ids)
         pin = import_pin_id(request_id)
         req = eng._admit(request_id, ids, params, cache_salt, forked=True)  # not yet in
+        first_tokens = handed.first_tokens
         if sorted(first_tokens) != list(range(params.n)):
             raise InvalidRequestError(
                 f"an imported request needs the first token of each of its n={params.n} samples"
@@ -204,11 +214,12 @@ class KVHandoff:
                 f"request id {request_id!r} is still importing (an earlier request by that "
                 "id was aborted while its KV was being written): retry shortly"
             )
-        req.num_cached_tokens = cached_tokens
+        req.num_cached_tokens = handed.cached_tokens
         seqs = [eng._new_sequence(req, i, list(ids)) for i in range(params.n)]
         for seq in seqs:
-            if generator_states and seq.index in generator_states and seq.generator:
-                set_generator_state(seq.generator, generator_states[seq.index], seq.index)
+            state = handed.generator_states.get(seq.index)
+            if state is not None and seq.generator is not None:
+                set_generator_state(seq.generator, state, seq.index)
         eng._register(req, report_now=True)  # the first tokens go out with the next step
         if not self._bm.can_allocate(ids, cache_salt):
             for seq in seqs:
@@ -228,7 +239,7 @@ class KVHandoff:
         first = local // self._bm.block_size
         plan = ImportPlan(self._bm.block_table(pin)[first:], first, local, recompute=False)
         for seq in seqs:  # may finish (and free) samples whose first token ends them
-            lp = (first_logprobs or {}).get(seq.index)
+            lp = handed.first_logprobs.get(seq.index)
             eng._append_token(seq, first_tokens[seq.index], lp)
         live = [s for s in seqs if not s.is_finished]
         if not live:
@@ -335,11 +346,7 @@ class HandoffCalls:
     def export_prefix_begin(
         self, pin_id: str, token_ids: list[int], cache_salt: str | None
     ) -> ExportPlan | None:
-        return self.loop.call(
-            lambda e: e.handoff.export_prefix_begin(pin_id, token_ids, cache_salt),
-            self.timeout,
-            on_abandon=lambda e, _plan: e.handoff.unpin(pin_id),
-        )
+        return self._pinning(pin_id, lambda h: h.export_prefix_begin(pin_id, token_ids, cache_salt))
 
     def unpin(self, pin_id: str) -> None:
         self.loop.call(lambda e: e.handoff.unpin(pin_id), self.timeout)
@@ -349,27 +356,15 @@ class HandoffCalls:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        first_tokens: dict[int, int],
-        *,
-        first_logprobs: dict[int, TokenLogprobs] | None = None,
-        generator_states: dict[int, bytes] | None = None,
+        handed: HandedOver,
         cache_salt: str | None = None,
-        cached_tokens: int = 0,
     ) -> tuple[RequestStream, ImportPlan]:
         """`KVHandoff.reserve_import` and the request's stream; abandoned: cancelled."""
         plans: list[ImportPlan] = []
-        kwargs = dict(
-            first_logprobs=first_logprobs,
-            generator_states=generator_states,
-            cache_salt=cache_salt,
-            cached_tokens=cached_tokens,
-        )
         stream = self.loop.submit(
             request_id,
             lambda e: plans.append(
-                e.handoff.reserve_import(
-                    request_id, prompt_token_ids, params, first_tokens, **kwargs
-                )
+                e.handoff.reserve_import(request_id, prompt_token_ids, params, handed, cache_salt)
             ),
             timeout=self.timeout,
             undo=lambda e: e.handoff.cancel_import(request_id, recompute=False),
@@ -385,11 +380,18 @@ class HandoffCalls:
     def reserve_prefix_import(
         self, pin_id: str, prefix_token_ids: list[int], cache_salt: str | None
     ) -> ImportPlan:
-        return self.loop.call(
-            lambda e: e.handoff.reserve_prefix_import(pin_id, prefix_token_ids, cache_salt),
-            self.timeout,
-            on_abandon=lambda e, _plan: e.handoff.unpin(pin_id),
+        return self._pinning(
+            pin_id, lambda h: h.reserve_prefix_import(pin_id, prefix_token_ids, cache_salt)
         )
 
     def commit_prefix_import(self, pin_id: str) -> None:
         self.loop.call(lambda e: e.handoff.commit_prefix_import(pin_id), self.timeout)
+
+    def _pinning(self, pin_id: str, take: Callable[[KVHandoff], T]) -> T:
+        """take(handoff) on the engine thread, which may take the pin `pin_id`; undone
+        (unpinned) if the caller gave up waiting."""
+        return self.loop.call(
+            lambda e: take(e.handoff),
+            self.timeout,
+            on_abandon=lambda e, _result: e.handoff.unpin(pin_id),
+        )

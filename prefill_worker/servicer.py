@@ -66,16 +66,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         req = request.request
         rid = req.request_id
         params = sampling_from_pb(req.sampling)
-        timeout = self.rt.config.engine_call_timeout_s
+        prompt = list(req.prompt_token_ids)
+        salt = req.cache_salt or None
         if request.HasField("prefix"):
-            import_prefix(
-                self.rt,
-                self.handoff,
-                rid,
-                request.prefix,
-                list(req.prompt_token_ids),
-                req.cache_salt,
-            )
+            import_prefix(self.rt, self.handoff, rid, request.prefix, prompt, salt)
         added: list[Request] = []
         try:
             # A submit that times out is never added, or aborted at once (EngineLoop.call):
@@ -85,13 +79,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                 lambda e: added.append(
                     e.add_request(
                         rid,
-                        prompt_token_ids=list(req.prompt_token_ids),
+                        prompt_token_ids=prompt,
                         params=params,
-                        cache_salt=req.cache_salt or None,
+                        cache_salt=salt,
                         prefill_only=True,
                     )
                 ),
-                timeout=timeout,
+                timeout=self.rt.config.engine_call_timeout_s,
             )
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -167,6 +167,48 @@ def _gauge(name: str, doc: str, value: float, model: str) -> GaugeMetricFamily:
     return family
 
 
+# Plain counters: (series name, Router.counters key, help), each labelled model_name.
+_COUNTERS = (
+    (
+        "draining_refusals",
+        "refused_draining",
+        "Generate calls refused with UNAVAILABLE while the router drains.",
+    ),
+    (
+        "worker_registry_unavailable",
+        "registry_unavailable",
+        "Reads of the Redis worker registry that failed.",
+    ),
+    (
+        "worker_registry_malformed",
+        "registry_malformed",
+        "Worker entries in the Redis registry skipped as malformed.",
+    ),
+    (
+        "leases_released",
+        "leases_released",
+        "KV leases the router released (handles never consumed).",
+    ),
+    ("channels_closed", "channels_closed", "Channels to workers that left, closed."),
+    (
+        "prefix_index_busy",
+        "index_busy",
+        "Lookups skipped because every lookup thread was busy (counted in skipped too).",
+    ),
+    (
+        "prefix_index_query_blocks",
+        "index_query_blocks",
+        "Full prompt blocks looked up in the prefix index.",
+    ),
+    ("prefix_index_hit_blocks", "index_hit_blocks", "Of those, blocks held by the best holder."),
+    (
+        "prefix_index_unavailable",
+        "index_unavailable",
+        "Prefix-index calls that failed (routing fell back to load only).",
+    ),
+)
+
+
 def _counter(name: str, doc: str, value: float, model: str) -> CounterMetricFamily:
     family = CounterMetricFamily(R + name, doc, labels=["model_name"])
     family.add_metric([model], value)
@@ -209,12 +251,6 @@ def families(s: RouterSnapshot, model: str = "") -> Iterator[Metric]:
         s.rejected_total,
         m,
     )
-    yield _counter(
-        "draining_refusals",
-        "Generate calls refused with UNAVAILABLE while the router drains.",
-        c.get("refused_draining", 0),
-        m,
-    )
     yield _labelled(
         CounterMetricFamily,
         "routing_decisions",
@@ -239,18 +275,6 @@ def families(s: RouterSnapshot, model: str = "") -> Iterator[Metric]:
         "prefix_export_blocks", "Blocks exported for pulls.", c.get("prefix_export_blocks", 0), m
     )
     yield from _index_families(c, s.index_up, m)
-    yield _counter(
-        "worker_registry_unavailable",
-        "Reads of the Redis worker registry that failed.",
-        c.get("registry_unavailable", 0),
-        m,
-    )
-    yield _counter(
-        "worker_registry_malformed",
-        "Worker entries in the Redis registry skipped as malformed.",
-        c.get("registry_malformed", 0),
-        m,
-    )
     yield _labelled(
         CounterMetricFamily,
         "retries",
@@ -267,18 +291,8 @@ def families(s: RouterSnapshot, model: str = "") -> Iterator[Metric]:
         {"prefill": c.get("prefill_refused", 0), "decode": c.get("decode_refused", 0)},
         m,
     )
-    yield _counter(
-        "leases_released",
-        "KV leases the router released (handles never consumed).",
-        c.get("leases_released", 0),
-        m,
-    )
-    yield _counter(
-        "channels_closed",
-        "Channels to workers that left, closed.",
-        c.get("channels_closed", 0),
-        m,
-    )
+    for name, key, doc in _COUNTERS:
+        yield _counter(name, doc, c.get(key, 0), m)
     yield _labelled(
         GaugeMetricFamily,
         "live_workers",
@@ -298,30 +312,6 @@ def _index_families(c: dict[str, int], index_up: bool, m: str) -> Iterator[Metri
         "Prefix-index lookups: hit (a routable worker holds >= 1 block), miss, skipped.",
         "result",
         {"hit": hits, "miss": lookups - hits, "skipped": c.get("index_skipped", 0)},
-        m,
-    )
-    yield _counter(
-        "prefix_index_busy",
-        "Lookups skipped because every lookup thread was busy (counted in skipped too).",
-        c.get("index_busy", 0),
-        m,
-    )
-    yield _counter(
-        "prefix_index_query_blocks",
-        "Full prompt blocks looked up in the prefix index.",
-        c.get("index_query_blocks", 0),
-        m,
-    )
-    yield _counter(
-        "prefix_index_hit_blocks",
-        "Of those, blocks held by the best holder.",
-        c.get("index_hit_blocks", 0),
-        m,
-    )
-    yield _counter(
-        "prefix_index_unavailable",
-        "Prefix-index calls that failed (routing fell back to load only).",
-        c.get("index_unavailable", 0),
         m,
     )
     yield _gauge("prefix_index_up", "0 while the prefix index is unreachable.", index_up, m)

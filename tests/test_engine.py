@@ -440,3 +440,26 @@ def test_import_with_a_bad_generator_state_is_refused_before_any_block():
     assert not dec.requests and dec.handoff.is_idle()
     assert dec.block_manager.usage() == 0.0
     dec.check_integrity()
+
+
+def test_request_id_is_refused_while_an_aborted_export_still_copies():
+    """A request aborted during its export copy leaves the export pin until the copier
+    ends it: a new request by that id must not be admitted meanwhile (its own export
+    would take, and its end release, the pin the first copy still relies on)."""
+    pre = make_llm().engine
+    p = prompts(1, seed=17, lo=40, hi=41)[0]
+    pre.add_request("A", prompt_token_ids=p, params=GREEDY, prefill_only=True)
+    _drain(pre)
+    export = pre.handoff.export_begin("A")
+    assert export is not None
+    pre.abort_request("A")  # an Abort RPC during the copy: the held sample ends
+    assert not pre.handoff.held and pre.block_manager.usage() > 0  # pinned
+    with pytest.raises(InvalidRequestError, match="'A' is still being exported"):
+        pre.add_request("A", prompt_token_ids=p, params=GREEDY, prefill_only=True)
+    assert pre.handoff.export_end("A") == 0  # the copier is done
+    assert pre.block_manager.usage() == 0.0
+    pre.add_request("A", prompt_token_ids=p, params=GREEDY, prefill_only=True)
+    _drain(pre)
+    assert pre.handoff.export_end("A") == 1
+    pre.check_integrity()
+    assert pre.block_manager.usage() == 0.0

@@ -217,8 +217,9 @@ class LLMEngine:
         """A new Request, validated and with room in the queue, not yet registered: the
         one admission of `add_request` and `handoff.reserve_import`. Raises
         InvalidRequestError or QueueFullError before anything is held."""
-        if request_id in self.requests or self.handoff.has(request_id):
+        if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        self.handoff.check_new_id(request_id)
         self._validate(ids, params)
         self.scheduler.check_room()
         return Request(request_id, ids, params, cache_salt, **flags)

@@ -125,9 +125,18 @@ class KVHandoff:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = FinishReason.ABORT
 
-    def has(self, request_id: str) -> bool:
-        """Whether `request_id` still holds samples here (its id is not free yet)."""
-        return request_id in self.held
+    def check_new_id(self, request_id: str) -> None:
+        """InvalidRequestError unless nothing of a request by this id is left here: held
+        samples, or the pin of a copy or a write still running after it was aborted
+        (a new request by that id would take, and its end release, that same pin)."""
+        if request_id in self.held:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        for pin, what in ((export_pin_id, "exported"), (import_pin_id, "imported")):
+            if pin(request_id) in self.pinned:
+                raise InvalidRequestError(
+                    f"request id {request_id!r} is still being {what} (an earlier request by "
+                    f"that id was aborted while its KV was copied): retry shortly"
+                )
 
     def is_idle(self) -> bool:
         return not (self.held or self.importing or self.pinned)
@@ -208,11 +217,6 @@ class KVHandoff:
         if sorted(first_tokens) != list(range(params.n)):
             raise InvalidRequestError(
                 f"an imported request needs the first token of each of its n={params.n} samples"
-            )
-        if pin in self.pinned:
-            raise InvalidRequestError(
-                f"request id {request_id!r} is still importing (an earlier request by that "
-                "id was aborted while its KV was being written): retry shortly"
             )
         req.num_cached_tokens = handed.cached_tokens
         seqs = [eng._new_sequence(req, i, list(ids)) for i in range(params.n)]

@@ -118,7 +118,7 @@ class RouterConfig:
     registry_poll_s: float = 0.25  # how often the Redis worker registry is read
     # Prometheus endpoint (router/metrics.py) on `host`: None = none, 0 = any free port.
     metrics_port: int | None = None
-    # -- bounds on the router's internal calls (router/server.py) --------------------
+    # -- bounds on the router's internal calls (router/dispatch.py, watch.py) -------
     # Every call to a worker ends within its bound even when the client set no
     # deadline (the client's deadline, when earlier, wins). A Prefill is one prompt's
     # forward plus its queueing on the worker.

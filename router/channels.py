@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -21,6 +22,7 @@ from pagedserve.common.runtime.grpc_options import CHANNEL_OPTIONS
 from pagedserve.router.registry import WorkerRegistry
 
 
+@dataclass(eq=False)
 class WorkerChannels:
     """One channel per worker address (gRPC reconnects it), counted while in use.
 
@@ -28,17 +30,11 @@ class WorkerChannels:
     the closes); `counters` gets "channels_closed".
     """
 
-    def __init__(
-        self,
-        registry: WorkerRegistry,
-        counters: collections.Counter[str],
-        spawn: Callable[[Coroutine[Any, Any, Any]], None],
-    ) -> None:
-        self.registry = registry
-        self.counters = counters
-        self.spawn = spawn
-        self.open: dict[str, grpc.aio.Channel] = {}
-        self._users: collections.Counter[str] = collections.Counter()
+    registry: WorkerRegistry
+    counters: collections.Counter[str]
+    spawn: Callable[[Coroutine[Any, Any, Any]], None]
+    open: dict[str, grpc.aio.Channel] = field(default_factory=dict, init=False)
+    _users: collections.Counter[str] = field(default_factory=collections.Counter, init=False)
 
     def get(self, address: str) -> grpc.aio.Channel:
         """The channel to `address`, opened if needed; calls take it through `use`."""

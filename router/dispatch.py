@@ -109,6 +109,7 @@ class RequestContext:
         return remaining, False
 
 
+@dataclass(eq=False)
 class Dispatcher:
     """Runs Generate requests (`generate`) over the router's parts.
 
@@ -118,34 +119,21 @@ class Dispatcher:
     decision (validation, tokenizing, admission, hashing, index lookup, ranking).
     """
 
-    def __init__(
-        self,
-        *,
-        config: RouterConfig,
-        frontend: ModelFrontend,
-        admission: Admission,
-        routing: Routing,
-        registry: WorkerRegistry,
-        prefix: PrefixLookup,
-        estimator: TransferEstimator,
-        channels: WorkerChannels,
-        streams: DecodeStreams,
-        counters: collections.Counter[str],
-        spawn: Callable[[Coroutine[Any, Any, Any]], None],
-    ) -> None:
-        self.config = config
-        self.frontend = frontend
-        self.admission = admission
-        self.routing = routing
-        self.registry = registry
-        self.prefix = prefix
-        self.estimator = estimator
-        self.channels = channels
-        self.streams = streams
-        self.counters = counters
-        self.spawn = spawn
-        self.active_requests: set[str] = set()
-        self.route_latencies: collections.deque[float] = collections.deque(maxlen=100_000)
+    config: RouterConfig
+    frontend: ModelFrontend
+    admission: Admission
+    routing: Routing
+    registry: WorkerRegistry
+    prefix: PrefixLookup
+    estimator: TransferEstimator
+    channels: WorkerChannels
+    streams: DecodeStreams
+    counters: collections.Counter[str]
+    spawn: Callable[[Coroutine[Any, Any, Any]], None]
+    active_requests: set[str] = field(default_factory=set, init=False)
+    route_latencies: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=100_000), init=False
+    )
 
     async def generate(
         self,

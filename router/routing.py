@@ -21,6 +21,7 @@ import collections
 import concurrent.futures
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pagedserve.router.config import RouterConfig
@@ -47,6 +48,7 @@ def default_policy(config: RouterConfig) -> RoutingPolicy:
     return LeastLoadedPolicy(config.load_weights)
 
 
+@dataclass(eq=False)
 class Routing:
     """The policy applied to the live workers, with the prefix index's match.
 
@@ -54,21 +56,12 @@ class Routing:
     the index lookups and the local-prefill decisions.
     """
 
-    def __init__(
-        self,
-        config: RouterConfig,
-        policy: RoutingPolicy,
-        registry: WorkerRegistry,
-        prefix: PrefixLookup,
-        counters: collections.Counter[str],
-        frontend_pool: concurrent.futures.Executor,
-    ) -> None:
-        self.config = config
-        self.policy = policy
-        self.registry = registry
-        self.prefix = prefix
-        self.counters = counters
-        self.frontend_pool = frontend_pool
+    config: RouterConfig
+    policy: RoutingPolicy
+    registry: WorkerRegistry
+    prefix: PrefixLookup
+    counters: collections.Counter[str]
+    frontend_pool: concurrent.futures.Executor
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the frontend threads."""

@@ -46,9 +46,9 @@ from pagedserve.router.channels import WorkerChannels
 from pagedserve.router.config import RouterConfig
 from pagedserve.router.cost import TransferEstimator
 from pagedserve.router.dispatch import Dispatcher
-from pagedserve.router.frontend import ModelFrontend
+from pagedserve.router.frontend import ModelFrontend, ResolvedRequest
 from pagedserve.router.metrics import RouterMetrics
-from pagedserve.router.policy import RoutingPolicy, Scored
+from pagedserve.router.policy import RouteRequest, RoutingPolicy, Scored
 from pagedserve.router.prefix import PrefixLookup
 from pagedserve.router.registry import WorkerInfo, WorkerRegistry
 from pagedserve.router.registry_feed import RegistryFeed
@@ -329,6 +329,14 @@ class Router:
     def channel(self, address: str) -> grpc.aio.Channel:
         """The channel to a worker's `address` (router/channels.py)."""
         return self.channels.get(address)
+
+    def route_request(self, r: ResolvedRequest, hashes: list[bytes] | None = None) -> RouteRequest:
+        """Routing.route_request (blocks on a Redis index: for benchmarks and previews)."""
+        return self.routing.route_request(r, hashes)
+
+    def pick(self, role: str, rr: RouteRequest, exclude: set[str]) -> Scored | None:
+        """Routing.pick: the policy's best live worker for `role`, minus `exclude`."""
+        return self.routing.pick(role, rr, exclude)
 
     def preview(
         self, role: str, prompt_token_ids: list[int], cache_salt: str | None = None

@@ -41,7 +41,7 @@ from pagedserve.common.runtime.worker import WorkerRuntime
 from pagedserve.kvtransfer.faults import fault_point
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.sinks import CacheSink
-from pagedserve.kvtransfer.wire import ChunkHeader, KVSink, KVTransferError
+from pagedserve.kvtransfer.wire import ChunkHeader, KVSink, KVTransferError, TransferCancelled
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -241,4 +241,4 @@ class StopOnCancel:
 
     def _check(self) -> None:
         if self.cancelled.is_set():
-            raise KVTransferError("the request ended (cancelled or past its deadline)")
+            raise TransferCancelled("the request ended (cancelled or past its deadline)")

@@ -270,12 +270,16 @@ def pool_dashboard(pool: str) -> dict:
         f"sum by (worker) (rate(pagedserve:generation_tokens_total{{{s}}}[{ri}]))",
         "generated {{worker}}",
     )
+    computed = (
+        f"sum by (worker) (rate(pagedserve:prompt_tokens_computed_total{{{s}}}[{ri}]))",
+        "computed {{worker}}",
+    )
     lay.add(
         timeseries(
             "Tokens / s",
-            [prompt, gen] if pool == "prefill" else [gen, prompt],
-            description="Prompt tokens computed (prefix-cache hits excluded) and tokens "
-            "generated, per second.",
+            [prompt, computed, gen] if pool == "prefill" else [gen, prompt, computed],
+            description="Prompt tokens of the requests prefilled here (prefix-cache hits "
+            "included, vLLM's prompt_tokens_total), of which computed, and tokens generated.",
         ),
         12,
         8,
@@ -413,6 +417,88 @@ def pool_dashboard(pool: str) -> dict:
         6,
     )
 
+    lay.row("Request phases")
+    for phase, what in [
+        ("queue", "Arrival here to the first step (a decode worker's KV import included)."),
+        ("prefill", "First step to the first token (requests prefilled here)."),
+        ("decode", "First token to the last (requests decoded here)."),
+        ("inference", "First step to the last token."),
+    ]:
+        lay.add(
+            timeseries(
+                f"{phase.capitalize()} time",
+                quantiles(f"pagedserve:request_{phase}_time_seconds", s),
+                unit="s",
+                description=what,
+            ),
+            6,
+            8,
+        )
+
+    lay.row("KV transfer")
+    lay.add(
+        timeseries(
+            "KV pulled (bytes / s)",
+            [
+                (
+                    f"sum by (transport) (rate(pagedserve:kv_transfer_bytes_total{{{s}}}[{ri}]))",
+                    "{{transport}}",
+                )
+            ],
+            unit="Bps",
+            description="KV payload pulled into this pool's workers, by transport.",
+        ),
+        6,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Pull time",
+            quantiles("pagedserve:kv_transfer_seconds", s, by="transport"),
+            unit="s",
+            description="One pull (shared memory or gRPC), successful or not.",
+        ),
+        6,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Blocks pulled vs reused / s",
+            [
+                (
+                    f"sum by (outcome) (rate(pagedserve:kv_transfer_blocks_total{{{s}}}[{ri}]))",
+                    "{{outcome}}",
+                ),
+                (
+                    f"sum(rate(pagedserve:kv_transfer_pulls_total{{{s}}}[{ri}]))",
+                    "pulls",
+                ),
+            ],
+            description="reused: blocks a lease offered that the worker held already "
+            "(its own prefix cache), so not pulled.",
+        ),
+        6,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Pull failures / s",
+            [
+                (
+                    f"sum by (cause) (rate(pagedserve:kv_transfer_failures_total{{{s}}}[{ri}]))",
+                    "{{cause}}",
+                ),
+                (
+                    f"sum(rate(pagedserve:kv_transfer_checksum_mismatches_total{{{s}}}[{ri}]))",
+                    "checksum mismatches",
+                ),
+            ],
+            description="A failed pull is recomputed here (or fails the request, by policy).",
+        ),
+        6,
+        8,
+    )
+
     lay.row("KV transfer leases")
     lay.add(
         timeseries(
@@ -444,6 +530,25 @@ def pool_dashboard(pool: str) -> dict:
             unit="bytes",
         ),
         8,
+        8,
+    )
+    lay.add(
+        timeseries(
+            "Exports refused / staged privately / s",
+            [
+                (
+                    f"sum by (worker) (rate(pagedserve:kv_exports_refused_total{{{s}}}[{ri}]))",
+                    "refused {{worker}}",
+                ),
+                (
+                    f"sum by (worker) (rate(pagedserve:kv_exports_private_total{{{s}}}[{ri}]))",
+                    "private {{worker}}",
+                ),
+            ],
+            description="refused: a staging cap was reached (RESOURCE_EXHAUSTED); private: "
+            "/dev/shm was full, the KV went over gRPC.",
+        ),
+        24,
         8,
     )
     return dashboard(
@@ -672,6 +777,11 @@ def router_dashboard() -> dict:
                     rate("pagedserve:router_prefix_index_lookups_total", extra='result="skipped"'),
                     "lookups skipped / s",
                 ),
+                (rate("pagedserve:router_prefix_index_busy_total"), "lookups busy / s"),
+                (
+                    rate("pagedserve:router_worker_registry_malformed_total"),
+                    "registry entries malformed / s",
+                ),
             ],
         ),
         8,
@@ -692,13 +802,17 @@ def router_dashboard() -> dict:
     )
     lay.add(
         timeseries(
-            "Retries and released leases / s",
+            "Retries, refusals and released leases / s",
             [
                 (rate("pagedserve:router_retries_total", by="pool"), "retries {{pool}}"),
+                (rate("pagedserve:router_worker_refusals_total", by="pool"), "refused {{pool}}"),
                 (rate("pagedserve:router_leases_released_total"), "leases released"),
+                (rate("pagedserve:router_draining_refusals_total"), "refused while draining"),
+                (rate("pagedserve:router_channels_closed_total"), "channels closed"),
             ],
-            description="A retry follows an UNAVAILABLE worker; the router releases the "
-            "leases of KV handles no decode worker consumed.",
+            description="A retry follows an UNAVAILABLE worker, a refusal a full one "
+            "(RESOURCE_EXHAUSTED); the router releases the leases of KV handles no decode "
+            "worker consumed; a draining router refuses new calls.",
         ),
         24,
         8,

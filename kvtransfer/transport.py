@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -47,6 +48,7 @@ from pagedserve.kvtransfer.handle import ExportedKV, local_host_id
 from pagedserve.kvtransfer.segment import SHM_DIR, open_shm, parse_segment
 from pagedserve.kvtransfer.sinks import TensorSink
 from pagedserve.kvtransfer.source import SERVICE_NAME, positions_of
+from pagedserve.kvtransfer.stats import PullRecord, TransferStats, failure_cause
 from pagedserve.kvtransfer.wire import (
     DEFAULT_MAX_CHUNK_BYTES,
     MAX_CHUNK_BYTES_LIMIT,
@@ -464,7 +466,17 @@ def _rpc_error(e: grpc.RpcError, handle: ExportedKV) -> KVTransferError:
     where = f"lease {handle.lease_id!r} at {handle.transfer_address}"
     if code == grpc.StatusCode.NOT_FOUND:
         return LeaseNotFoundError(f"{where}: {details}")
-    return KVTransferError(f"pulling {where} failed: {code.name}: {details}")
+    error = KVTransferError(f"pulling {where} failed: {code.name}: {details}")
+    error.cause = _RPC_CAUSES.get(code, "transfer")
+    return error
+
+
+_RPC_CAUSES = {
+    grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.CANCELLED: "cancelled",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted",
+}
 
 
 class AutoTransport(KVTransport):
@@ -485,6 +497,7 @@ class AutoTransport(KVTransport):
         self.mode = mode
         self.shm = shm or ShmTransport()
         self.grpc = grpc_transport or GrpcTransport()
+        self.stats = TransferStats()  # every pull's bytes, blocks, time or failure
 
     def choose(self, handle: ExportedKV) -> KVTransport:
         kind = choose_transport(self.host_id, handle.host_id, self.mode)
@@ -493,7 +506,31 @@ class AutoTransport(KVTransport):
         return self.shm if kind == "shm" else self.grpc
 
     def pull_into(self, handle, sink, block_ids=None, layers=None, *, timeout=None) -> PullResult:
+        """Pulls with the chosen transport; every pull is recorded in `stats`."""
+        t0 = time.perf_counter()
+        tried: list[KVTransport] = []
+        try:
+            result = self._pull(handle, sink, block_ids, layers, timeout, tried)
+        except BaseException as e:
+            kind = tried[-1].name if tried else "none"
+            self.stats.record(PullRecord(kind, time.perf_counter() - t0, failure=failure_cause(e)))
+            raise
+        offered = len(handle.block_ids)
+        asked = offered if block_ids is None else len(block_ids)
+        self.stats.record(
+            PullRecord(
+                result.transport,
+                time.perf_counter() - t0,
+                payload_bytes=result.payload_bytes,
+                pulled_blocks=result.num_blocks,
+                reused_blocks=offered - asked,
+            )
+        )
+        return result
+
+    def _pull(self, handle, sink, block_ids, layers, timeout, tried: list) -> PullResult:
         transport = self.choose(handle)
+        tried.append(transport)
         try:
             return transport.pull_into(handle, sink, block_ids, layers, timeout=timeout)
         except LeaseNotFoundError:
@@ -502,6 +539,7 @@ class AutoTransport(KVTransport):
             fallback = transport is self.shm and self.mode == "auto" and handle.transfer_address
             if not fallback or handle.expired():
                 raise
+        tried.append(self.grpc)
         return self.grpc.pull_into(handle, sink, block_ids, layers, timeout=timeout)
 
     def close(self) -> None:

@@ -116,15 +116,30 @@ CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
 class KVTransferError(Exception):
-    """A transfer failed: malformed or inconsistent chunk, truncated stream, lost peer."""
+    """A transfer failed: malformed or inconsistent chunk, truncated stream, lost peer.
+
+    `cause` names the kind of failure for metrics (kvtransfer/stats.py): a subclass
+    sets its own, a gRPC failure its status ("timeout", "unavailable", ...)."""
+
+    cause: str = "transfer"
 
 
 class KVChecksumError(KVTransferError):
     """A chunk's payload or header does not match its checksum (corrupted in transit)."""
 
+    cause = "checksum"
+
 
 class LeaseNotFoundError(KVTransferError):
     """The lease is unknown, released or expired (gRPC NOT_FOUND)."""
+
+    cause = "lease_not_found"
+
+
+class TransferCancelled(KVTransferError):
+    """The puller stopped the transfer: the request it was for ended (cancel, deadline)."""
+
+    cause = "cancelled"
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,7 @@ class ClusterSpec:
     # each has a node of its own (pool_resources), else the k-th worker (prefill first)
     # on P + k, so that workers sharing a machine never collide.
     worker_metrics_port: int | None = None
+    metrics_compat: str | None = None  # "vllm": router and workers also export vllm:* series
     # Place each worker on a node that offers one unit of the custom resource
     # "pagedserve_prefill" / "pagedserve_decode" (the KubeRay worker groups and the
     # `ray start --resources` of deploy/README.md do): one worker per pod or machine.
@@ -173,6 +174,7 @@ class Cluster:
                 disagg_min_prompt_tokens=spec.disagg_min_prompt_tokens,
                 redis_url=spec.redis_url,  # None: the router hosts the prefix index
                 metrics_port=spec.router_metrics_port,
+                metrics_compat=spec.metrics_compat,  # type: ignore[arg-type]
                 **spec.router_options,
             )
         )
@@ -233,6 +235,7 @@ class Cluster:
             redis_url=spec.redis_url,
             index_address=None if spec.redis_url else self.router_address_for_workers,
             metrics_port=self._worker_metrics_port(pool, index),
+            metrics_compat=spec.metrics_compat,  # type: ignore[arg-type]
         )
         # Detached: the actor outlives this driver, and a running one of that name is
         # attached to (get_if_exists: its constructor does not run again).
@@ -408,6 +411,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="workers' Prometheus port: P with --pool-resources, else P + k for the k-th worker",
     )
     p.add_argument(
+        "--metrics-compat",
+        choices=["vllm"],
+        default=None,
+        help="router and workers also export vLLM-named series (vllm:*) for the inference "
+        "gateway and vLLM's dashboards",
+    )
+    p.add_argument(
         "--pool-resources",
         action="store_true",
         help="one worker per node offering the pagedserve_prefill/_decode custom resource",
@@ -476,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         router_advertise_host=args.advertise_host,
         router_metrics_port=args.metrics_port,
         worker_metrics_port=args.worker_metrics_port,
+        metrics_compat=args.metrics_compat,
         pool_resources=args.pool_resources,
         shutdown_grace_s=args.shutdown_grace_s,
         detach_workers=args.detach_workers,

@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 = any free)"
     )
     p.add_argument(
+        "--metrics-compat",
+        choices=["vllm"],
+        default=None,
+        help="also export vLLM-named series (vllm:*) for vLLM's dashboards",
+    )
+    p.add_argument(
         "--shutdown-grace-s",
         type=float,
         default=25.0,
@@ -75,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         transfer_failure_policy=args.transfer_failure_policy,
         redis_url=args.redis_url,
         metrics_port=args.metrics_port,
+        metrics_compat=args.metrics_compat,
         prefix=PrefixRouting(
             enabled=not args.no_prefix_routing,
             pull=not args.no_prefix_pull,

@@ -118,6 +118,9 @@ class RouterConfig:
     registry_poll_s: float = 0.25  # how often the Redis worker registry is read
     # Prometheus endpoint (router/metrics.py) on `host`: None = none, 0 = any free port.
     metrics_port: int | None = None
+    # "vllm": also export the vLLM-named request series (vllm:time_to_first_token_seconds,
+    # vllm:prompt_tokens_total, ...) that vLLM's dashboards read; None: pagedserve:* only.
+    metrics_compat: Literal["vllm"] | None = None
     # -- bounds on the router's internal calls (router/dispatch.py, watch.py) -------
     # Every call to a worker ends within its bound even when the client set no
     # deadline (the client's deadline, when earlier, wins). A Prefill is one prompt's
@@ -169,6 +172,8 @@ class RouterConfig:
             raise ConfigError(
                 f"metrics_port must be in [0, 65535] or None, got {self.metrics_port}"
             )
+        if self.metrics_compat not in (None, "vllm"):
+            raise ConfigError(f"metrics_compat must be 'vllm' or None, got {self.metrics_compat!r}")
         if self.max_inflight < 1:
             raise ConfigError(f"max_inflight must be >= 1, got {self.max_inflight}")
         if self.max_queued < 0:

@@ -13,6 +13,9 @@ process keep their series apart):
   view; if the loop does not answer within `scrape_timeout_s` the scrape reports
   `pagedserve:router_up 0`.
 
+Every series carries `model_name` (the served model, `Frontend.model_name`), so that
+the router's series join the workers' and vLLM's dashboards on it.
+
 Series:
   pagedserve:router_requests_total{code}                 ended requests by gRPC status
   pagedserve:router_requests_received_total
@@ -34,10 +37,32 @@ Series:
                                                          no worker yet)
   pagedserve:router_prefix_index_query_blocks_total / _hit_blocks_total
   pagedserve:router_prefix_index_unavailable_total, pagedserve:router_prefix_index_up
+  pagedserve:router_prefix_index_busy_total              lookups skipped: every lookup thread
+                                                         busy (also in lookups{result=skipped})
   pagedserve:router_worker_registry_unavailable_total
+  pagedserve:router_worker_registry_malformed_total      Redis registry entries skipped (bad data)
   pagedserve:router_retries_total{pool}, pagedserve:router_leases_released_total
+  pagedserve:router_worker_refusals_total{pool}          RESOURCE_EXHAUSTED from a worker: the
+                                                         request moved to another one
+  pagedserve:router_draining_refusals_total              Generate calls refused while draining
+                                                         (UNAVAILABLE; not in requests_total)
+  pagedserve:router_channels_closed_total                channels to departed workers closed
   pagedserve:router_live_workers{pool}                   prefill / decode / colocated
   pagedserve:router_up
+(`Router.counters` "invalid" and "rejected" are requests_total{code=INVALID_ARGUMENT}
+and admission_rejections_total.)
+
+With `RouterConfig.metrics_compat = "vllm"` the router also exports, under vLLM's
+names and meanings, the request-level series vLLM's dashboards read (the workers
+export the per-engine gauges, see common/runtime/metrics.py; exporting these once, at
+the router that sees every request once, keeps a disaggregated request from counting
+twice):
+  vllm:prompt_tokens_total, vllm:generation_tokens_total
+  vllm:request_success_total{finished_reason}            stop (eos included) / length / abort
+  vllm:request_prompt_tokens, vllm:request_generation_tokens   histograms per request
+  vllm:time_to_first_token_seconds, vllm:e2e_request_latency_seconds
+  vllm:inter_token_latency_seconds, vllm:time_per_output_token_seconds  (the same
+      per-gap samples: vLLM's older name for the latter)
 """
 
 from __future__ import annotations
@@ -56,7 +81,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagedserve.common.runtime.metrics_server import PREFIX, MetricsServer
+from pagedserve.common.runtime.metrics_server import PREFIX, VLLM_PREFIX, MetricsServer
 from pagedserve.v1 import generation_pb2
 
 if TYPE_CHECKING:
@@ -78,6 +103,10 @@ ROUTING_KINDS = (
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Tokens per request (vllm:request_prompt_tokens / _generation_tokens): 1 to 128k.
+TOKEN_BUCKETS = tuple(float(2**k) for k in range(18))
+# Our finish reasons -> vLLM's finished_reason label (vLLM reports an EOS as "stop").
+_VLLM_FINISH = {"length": "length", "stop": "stop", "eos": "stop", "abort": "abort"}
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _FINISH = {
     generation_pb2.FINISH_REASON_LENGTH: "length",
@@ -125,17 +154,23 @@ class _RouterCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self.metrics.snapshot()
-        yield _gauge("up", "1 when the router's event loop answered this scrape.", snap is not None)
+        model = self.metrics.model_name
+        up = "1 when the router's event loop answered this scrape."
+        yield _gauge("up", up, snap is not None, model)
         if snap is not None:
-            yield from families(snap)
+            yield from families(snap, model)
 
 
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(R + name, doc, value=value)
+def _gauge(name: str, doc: str, value: float, model: str) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(R + name, doc, labels=["model_name"])
+    family.add_metric([model], value)
+    return family
 
 
-def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(R + name, doc, value=value)
+def _counter(name: str, doc: str, value: float, model: str) -> CounterMetricFamily:
+    family = CounterMetricFamily(R + name, doc, labels=["model_name"])
+    family.add_metric([model], value)
+    return family
 
 
 def _labelled(
@@ -144,30 +179,41 @@ def _labelled(
     doc: str,
     label: str,
     values: dict[str, float],
+    model: str,
 ) -> Metric:
-    family = kind(R + name, doc, labels=[label])
+    family = kind(R + name, doc, labels=["model_name", label])
     for key, value in values.items():
-        family.add_metric([key], value)
+        family.add_metric([model, key], value)
     return family
 
 
-def families(s: RouterSnapshot) -> Iterator[Metric]:
-    """The scrape-time series of one snapshot (everything but the request histograms)."""
+def families(s: RouterSnapshot, model: str = "") -> Iterator[Metric]:
+    """The scrape-time series of one snapshot (everything but the request histograms),
+    labelled model_name=`model`."""
     c = s.counters
-    yield _counter("requests_received", "Generate calls received.", c.get("requests", 0))
-    yield _gauge("requests_inflight", "Requests holding an admission slot.", s.inflight)
-    yield _gauge("requests_queued", "Requests waiting for an admission slot.", s.queued)
+    m = model
+    yield _counter("requests_received", "Generate calls received.", c.get("requests", 0), m)
+    yield _gauge("requests_inflight", "Requests holding an admission slot.", s.inflight, m)
+    yield _gauge("requests_queued", "Requests waiting for an admission slot.", s.queued, m)
     yield _labelled(
         GaugeMetricFamily,
         "admission_limit",
         "Admission control limits (max_inflight, max_queued).",
         "kind",
         {"inflight": s.max_inflight, "queued": s.max_queued},
+        m,
     )
     yield _counter(
         "admission_rejections",
         "Requests refused with RESOURCE_EXHAUSTED (every slot and queue place taken).",
         s.rejected_total,
+        m,
+    )
+    yield _counter(
+        "draining_refusals",
+        "Generate calls refused with UNAVAILABLE while the router drains.",
+        c.get("refused_draining", 0),
+        m,
     )
     yield _labelled(
         CounterMetricFamily,
@@ -175,6 +221,7 @@ def families(s: RouterSnapshot) -> Iterator[Metric]:
         "How each prompt got computed (see router/metrics.py).",
         "kind",
         {kind: c.get(key, 0) for kind, key in ROUTING_KINDS},
+        m,
     )
     yield _labelled(
         CounterMetricFamily,
@@ -186,10 +233,63 @@ def families(s: RouterSnapshot) -> Iterator[Metric]:
             "missing": c.get("prefix_export_missing", 0),
             "failed": c.get("prefix_export_failed", 0),
         },
+        m,
     )
     yield _counter(
-        "prefix_export_blocks", "Blocks exported for pulls.", c.get("prefix_export_blocks", 0)
+        "prefix_export_blocks", "Blocks exported for pulls.", c.get("prefix_export_blocks", 0), m
     )
+    yield from _index_families(c, s.index_up, m)
+    yield _counter(
+        "worker_registry_unavailable",
+        "Reads of the Redis worker registry that failed.",
+        c.get("registry_unavailable", 0),
+        m,
+    )
+    yield _counter(
+        "worker_registry_malformed",
+        "Worker entries in the Redis registry skipped as malformed.",
+        c.get("registry_malformed", 0),
+        m,
+    )
+    yield _labelled(
+        CounterMetricFamily,
+        "retries",
+        "Calls retried on another worker after UNAVAILABLE.",
+        "pool",
+        {"prefill": c.get("prefill_retries", 0), "decode": c.get("decode_retries", 0)},
+        m,
+    )
+    yield _labelled(
+        CounterMetricFamily,
+        "worker_refusals",
+        "Calls a worker refused (RESOURCE_EXHAUSTED: full); the request moved on.",
+        "pool",
+        {"prefill": c.get("prefill_refused", 0), "decode": c.get("decode_refused", 0)},
+        m,
+    )
+    yield _counter(
+        "leases_released",
+        "KV leases the router released (handles never consumed).",
+        c.get("leases_released", 0),
+        m,
+    )
+    yield _counter(
+        "channels_closed",
+        "Channels to workers that left, closed.",
+        c.get("channels_closed", 0),
+        m,
+    )
+    yield _labelled(
+        GaugeMetricFamily,
+        "live_workers",
+        "Workers the router routes to, by pool.",
+        "pool",
+        dict(s.live_workers),
+        m,
+    )
+
+
+def _index_families(c: dict[str, int], index_up: bool, m: str) -> Iterator[Metric]:
     lookups = c.get("index_lookups", 0)
     hits = c.get("index_hits", 0)
     yield _labelled(
@@ -198,47 +298,125 @@ def families(s: RouterSnapshot) -> Iterator[Metric]:
         "Prefix-index lookups: hit (a routable worker holds >= 1 block), miss, skipped.",
         "result",
         {"hit": hits, "miss": lookups - hits, "skipped": c.get("index_skipped", 0)},
+        m,
+    )
+    yield _counter(
+        "prefix_index_busy",
+        "Lookups skipped because every lookup thread was busy (counted in skipped too).",
+        c.get("index_busy", 0),
+        m,
     )
     yield _counter(
         "prefix_index_query_blocks",
         "Full prompt blocks looked up in the prefix index.",
         c.get("index_query_blocks", 0),
+        m,
     )
     yield _counter(
         "prefix_index_hit_blocks",
         "Of those, blocks held by the best holder.",
         c.get("index_hit_blocks", 0),
+        m,
     )
     yield _counter(
         "prefix_index_unavailable",
         "Prefix-index calls that failed (routing fell back to load only).",
         c.get("index_unavailable", 0),
+        m,
     )
-    yield _gauge("prefix_index_up", "0 while the prefix index is unreachable.", s.index_up)
-    yield _counter(
-        "worker_registry_unavailable",
-        "Reads of the Redis worker registry that failed.",
-        c.get("registry_unavailable", 0),
-    )
-    yield _labelled(
-        CounterMetricFamily,
-        "retries",
-        "Calls retried on another worker after UNAVAILABLE.",
-        "pool",
-        {"prefill": c.get("prefill_retries", 0), "decode": c.get("decode_retries", 0)},
-    )
-    yield _counter(
-        "leases_released",
-        "KV leases the router released (handles never consumed).",
-        c.get("leases_released", 0),
-    )
-    yield _labelled(
-        GaugeMetricFamily,
-        "live_workers",
-        "Workers the router routes to, by pool.",
-        "pool",
-        dict(s.live_workers),
-    )
+    yield _gauge("prefix_index_up", "0 while the prefix index is unreachable.", index_up, m)
+
+
+class _RequestSeries:
+    """The request-side series under one prefix, bound to the model_name label."""
+
+    def __init__(self, reg: CollectorRegistry, prefix: str, model: str) -> None:
+        ml = ["model_name"]
+        self._requests = Counter(
+            prefix + "requests",
+            "Generate calls ended, by gRPC status code.",
+            [*ml, "code"],
+            registry=reg,
+        )
+        self._success = Counter(
+            prefix + "request_success",
+            "Samples ended, by finish reason.",
+            [*ml, "finished_reason"],
+            registry=reg,
+        )
+        self.model = model
+        self.prompt_tokens = Counter(
+            prefix + "prompt_tokens", "Prompt tokens of the requests served.", ml, registry=reg
+        ).labels(model)
+        self.generation_tokens = Counter(
+            prefix + "generation_tokens", "Tokens streamed to clients.", ml, registry=reg
+        ).labels(model)
+        self.ttft = self._histogram(
+            reg,
+            prefix + "time_to_first_token_seconds",
+            "Arrival to the first token streamed.",
+            TTFT_BUCKETS,
+        )
+        self.itl = self._histogram(
+            reg,
+            prefix + "inter_token_latency_seconds",
+            "Gap between consecutive token-bearing messages of a sample.",
+            ITL_BUCKETS,
+        )
+        self.e2e = self._histogram(
+            reg,
+            prefix + "e2e_request_latency_seconds",
+            "Arrival to the end of the stream, requests that ended OK.",
+            E2E_BUCKETS,
+        )
+
+    def _histogram(self, reg, name: str, doc: str, buckets) -> Histogram:
+        return Histogram(name, doc, ["model_name"], buckets=buckets, registry=reg).labels(
+            self.model
+        )
+
+    def requests(self, code: str):
+        return self._requests.labels(self.model, code)
+
+    def success(self, reason: str):
+        return self._success.labels(self.model, reason)
+
+
+class _VllmSeries:
+    """vLLM's request-level series (metrics_compat="vllm"), with vLLM's meanings."""
+
+    def __init__(self, reg: CollectorRegistry, model: str) -> None:
+        v, ml = VLLM_PREFIX, ["model_name"]
+        self.model = model
+        self.prompt_tokens = Counter(
+            v + "prompt_tokens", "Number of prefill tokens processed.", ml, registry=reg
+        ).labels(model)
+        self.generation_tokens = Counter(
+            v + "generation_tokens", "Number of generation tokens processed.", ml, registry=reg
+        ).labels(model)
+        self._success = Counter(
+            v + "request_success",
+            "Count of successfully processed requests.",
+            [*ml, "finished_reason"],
+            registry=reg,
+        )
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(v + name, doc, ml, buckets=buckets, registry=reg).labels(model)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds", "Time per output token.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End to end request latency.", E2E_BUCKETS)
+        self.request_prompt_tokens = hist(
+            "request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = hist(
+            "request_generation_tokens", "Number of generation tokens processed.", TOKEN_BUCKETS
+        )
+
+    def success(self, reason: str):
+        return self._success.labels(self.model, _VLLM_FINISH.get(reason, "abort"))
 
 
 class RouterMetrics:
@@ -247,42 +425,12 @@ class RouterMetrics:
     def __init__(self, router: Router, scrape_timeout_s: float = 5.0) -> None:
         self.router = router
         self.scrape_timeout_s = scrape_timeout_s
+        self.model_name: str = router.frontend.model_name
+        compat = getattr(router.config, "metrics_compat", None)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_RouterCollector(self))
-        reg = self.registry
-        self.requests = Counter(
-            R + "requests", "Generate calls ended, by gRPC status code.", ["code"], registry=reg
-        )
-        self.success = Counter(
-            R + "request_success",
-            "Samples ended, by finish reason.",
-            ["finished_reason"],
-            registry=reg,
-        )
-        self.prompt_tokens = Counter(
-            R + "prompt_tokens", "Prompt tokens of the requests served.", registry=reg
-        )
-        self.generation_tokens = Counter(
-            R + "generation_tokens", "Tokens streamed to clients.", registry=reg
-        )
-        self.ttft = Histogram(
-            R + "time_to_first_token_seconds",
-            "Arrival to the first token streamed.",
-            buckets=TTFT_BUCKETS,
-            registry=reg,
-        )
-        self.itl = Histogram(
-            R + "inter_token_latency_seconds",
-            "Gap between consecutive token-bearing messages of a sample.",
-            buckets=ITL_BUCKETS,
-            registry=reg,
-        )
-        self.e2e = Histogram(
-            R + "e2e_request_latency_seconds",
-            "Arrival to the end of the stream, requests that ended OK.",
-            buckets=E2E_BUCKETS,
-            registry=reg,
-        )
+        self.series = _RequestSeries(self.registry, R, self.model_name)
+        self.vllm = _VllmSeries(self.registry, self.model_name) if compat == "vllm" else None
         self.server: MetricsServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
@@ -332,7 +480,9 @@ class RouterMetrics:
         first_token = False
         last: dict[int, float] = {}  # sample index -> time of its last token
         prompt_counted = False
+        generated = 0
         code = grpc.StatusCode.OK
+        series, vllm = self.series, self.vllm
         try:
             async with contextlib.aclosing(responses) as inner:  # closed with us, at once
                 async for r in inner:
@@ -340,16 +490,27 @@ class RouterMetrics:
                         now = time.perf_counter()
                         if not first_token:
                             first_token = True
-                            self.ttft.observe(now - arrived)
+                            series.ttft.observe(now - arrived)
+                            if vllm is not None:
+                                vllm.ttft.observe(now - arrived)
                         if r.index in last:
-                            self.itl.observe(now - last[r.index])
+                            self._observe_itl(now - last[r.index])
                         last[r.index] = now
-                        self.generation_tokens.inc(len(r.token_ids))
+                        generated += len(r.token_ids)
+                        series.generation_tokens.inc(len(r.token_ids))
+                        if vllm is not None:
+                            vllm.generation_tokens.inc(len(r.token_ids))
                     if r.finish_reason:
-                        self.success.labels(_FINISH.get(r.finish_reason, "other")).inc()
+                        reason = _FINISH.get(r.finish_reason, "other")
+                        series.success(reason).inc()
+                        if vllm is not None:
+                            vllm.success(reason).inc()
                     if r.HasField("usage") and not prompt_counted:
                         prompt_counted = True
-                        self.prompt_tokens.inc(r.usage.prompt_tokens)
+                        series.prompt_tokens.inc(r.usage.prompt_tokens)
+                        if vllm is not None:
+                            vllm.prompt_tokens.inc(r.usage.prompt_tokens)
+                            vllm.request_prompt_tokens.observe(r.usage.prompt_tokens)
                     yield r
         except (asyncio.CancelledError, GeneratorExit):
             code = grpc.StatusCode.CANCELLED  # the client left, or its deadline passed:
@@ -361,9 +522,18 @@ class RouterMetrics:
             code = _status_of(context)
             raise
         finally:
-            self.requests.labels(code.name).inc()
+            series.requests(code.name).inc()
             if code == grpc.StatusCode.OK:
-                self.e2e.observe(time.perf_counter() - arrived)
+                series.e2e.observe(time.perf_counter() - arrived)
+                if vllm is not None:
+                    vllm.e2e.observe(time.perf_counter() - arrived)
+                    vllm.request_generation_tokens.observe(generated)
+
+    def _observe_itl(self, gap: float) -> None:
+        self.series.itl.observe(gap)
+        if self.vllm is not None:
+            self.vllm.itl.observe(gap)
+            self.vllm.tpot.observe(gap)
 
 
 def _status_of(context: grpc.aio.ServicerContext) -> grpc.StatusCode:

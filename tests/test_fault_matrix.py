@@ -626,8 +626,7 @@ def ray_cluster():
     ray = pytest.importorskip("ray")
     import sys
 
-    from pagedserve.decode_worker.actor import DecodeWorkerActor
-    from pagedserve.prefill_worker.actor import PrefillWorkerActor
+    from pagedserve.worker import DecodeWorkerActor, PrefillWorkerActor
 
     # The functions tests run inside the actors (RayCluster.call) travel by value: the
     # actors cannot import this test module.

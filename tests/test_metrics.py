@@ -3,7 +3,9 @@
 A router and one prefill + one decode worker (tiny checkpoint, real gRPC on
 loopback) each serve their own /metrics on 127.0.0.1 (port 0 = any free port). The
 tests send requests through the router and check the scraped values exactly: token
-counts, request counts by status code, routing decisions, blocks and leases.
+counts, request counts by status code, routing decisions, blocks and leases, KV bytes
+and blocks pulled, per-request phase histograms, the `model_name` label on every
+series, and the vLLM-named series (only with metrics_compat="vllm").
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pagedserve import launch
 from pagedserve.common.api.limits import ConfigError
 from pagedserve.common.runtime.metrics import WorkerIdentity, WorkerMetrics, WorkerSnapshot
 from pagedserve.common.runtime.worker import WorkerConfig
+from pagedserve.kvtransfer.faults import FaultInjector, FaultSpec, install
 from pagedserve.router.config import RouterConfig
 from pagedserve.router.metrics import RouterSnapshot
 from pagedserve.router.metrics import families as router_families
@@ -83,6 +86,14 @@ class Scrape:
     def label_values(self, label: str) -> set[str]:
         return {v for (_, ls) in self.samples for k, v in ls if k == label}
 
+    def names(self) -> set[str]:
+        return {n for n, _ in self.samples}
+
+    def assert_model_name_everywhere(self, name: str) -> None:
+        """Every sample carries model_name=`name`."""
+        for n, ls in self.samples:
+            assert ("model_name", name) in ls, f"{n}{dict(ls)} lacks model_name={name!r}"
+
 
 # -- fixtures ----------------------------------------------------------------------------
 
@@ -107,6 +118,16 @@ def router_scrape(c: Cluster) -> Scrape:
 
 def worker_scrape(c: Cluster, worker_id: str) -> Scrape:
     return Scrape(c.workers[worker_id].metrics.server.address)
+
+
+def block_bytes(rt) -> int:
+    """KV payload bytes of one block of `rt`'s cache (every layer, K and V)."""
+    kv = rt.engine.kv_cache.kv  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    return kv[:, :, 0].numel() * kv.element_size()
+
+
+def tiny_model_name(c: Cluster) -> str:
+    return c.router.router.frontend.model_name
 
 
 def generate(c: Cluster, prompt: list[int]) -> list:
@@ -148,11 +169,23 @@ def test_one_disaggregated_request(cluster):
     assert r.value("pagedserve:router_live_workers", pool="prefill") == 1
     assert r.value("pagedserve:router_live_workers", pool="decode") == 1
     assert r.value("pagedserve:router_live_workers", pool="colocated") == 0
+    name = tiny_model_name(cluster)
+    r.assert_model_name_everywhere(name)
+    assert not {n for n in r.names() if n.startswith("vllm:")}  # no compat asked
 
     p = worker_scrape(cluster, "p0")
     assert p.label_values("worker") == {"p0"} and p.label_values("pool") == {"prefill"}
+    p.assert_model_name_everywhere(name)
+    assert not {n for n in p.names() if n.startswith("vllm:")}
     assert p.value("pagedserve:engine_up") == 1
+    # vLLM's meaning: the whole prompt, once, where it was prefilled.
     assert p.value("pagedserve:prompt_tokens_total") == len(PROMPT)
+    assert p.value("pagedserve:prompt_tokens_computed_total") == len(PROMPT)
+    # The prefill worker's phases: queued, prefilled, handed over (no decode here).
+    assert p.value("pagedserve:request_queue_time_seconds_count") == 1
+    assert p.value("pagedserve:request_prefill_time_seconds_count") == 1
+    assert p.value("pagedserve:request_decode_time_seconds_count") == 0
+    assert p.value("pagedserve:kv_transfer_pulls_total", transport="shm") == 0
     assert p.value("pagedserve:generation_tokens_total") == 1  # the first token
     assert p.value("pagedserve:prefix_cache_queries_total") == len(PROMPT)
     assert p.value("pagedserve:prefix_cache_hits_total") == 0
@@ -169,7 +202,27 @@ def test_one_disaggregated_request(cluster):
 
     d = worker_scrape(cluster, "d0")
     assert d.label_values("worker") == {"d0"} and d.label_values("pool") == {"decode"}
+    d.assert_model_name_everywhere(name)
     assert d.value("pagedserve:prompt_tokens_total") == 0  # the prompt's KV was pulled
+    assert d.value("pagedserve:prompt_tokens_computed_total") == 0
+    # One pull over shared memory (one host): the prompt's 3 blocks (2 full + 1 partial).
+    dw = cluster.workers["d0"]
+    assert d.value("pagedserve:kv_transfer_pulls_total", transport="shm") == 1
+    assert d.value("pagedserve:kv_transfer_pulls_total", transport="grpc") == 0
+    assert d.value("pagedserve:kv_transfer_bytes_total", transport="shm") == 3 * block_bytes(dw)
+    assert d.value("pagedserve:kv_transfer_blocks_total", outcome="pulled") == 3
+    assert d.value("pagedserve:kv_transfer_blocks_total", outcome="reused") == 0
+    assert d.value("pagedserve:kv_transfer_seconds_count", transport="shm") == 1
+    assert d.value("pagedserve:kv_transfer_checksum_mismatches_total") == 0
+    for cause in ("checksum", "lease_not_found", "timeout", "cancelled", "transfer"):
+        assert d.value("pagedserve:kv_transfer_failures_total", cause=cause) == 0
+    # The decode worker's phases: its queue (the import included), no prefill, a decode.
+    assert d.value("pagedserve:request_queue_time_seconds_count") == 1
+    assert d.value("pagedserve:request_prefill_time_seconds_count") == 0
+    assert d.value("pagedserve:request_decode_time_seconds_count") == 1
+    assert d.value("pagedserve:request_inference_time_seconds_count") == 1
+    assert d.value("pagedserve:kv_exports_refused_total") == 0
+    assert d.value("pagedserve:kv_exports_private_total") == 0
     assert d.value("pagedserve:generation_tokens_total") == MAX_TOKENS - 1
     assert d.value("pagedserve:num_requests_running") == 0
     assert d.value("pagedserve:num_preemptions_total") == 0
@@ -204,11 +257,24 @@ def test_repeated_prompt_hits_the_prefix_cache_and_index(cluster):
     cached = 32
     assert p.value("pagedserve:prefix_cache_hits_total") == cached
     assert p.value("pagedserve:prefix_cache_queries_total") == 2 * len(PROMPT)
+    # prompt_tokens_total includes the cached tokens (vLLM's meaning); _computed does not.
+    assert p.value("pagedserve:prompt_tokens_total") == p0.value(
+        "pagedserve:prompt_tokens_total"
+    ) + len(PROMPT)
     assert (
-        p.value("pagedserve:prompt_tokens_total")
-        == p0.value("pagedserve:prompt_tokens_total") + len(PROMPT) - cached
+        p.value("pagedserve:prompt_tokens_computed_total")
+        == p0.value("pagedserve:prompt_tokens_computed_total") + len(PROMPT) - cached
     )
     assert p.value("pagedserve:num_cached_blocks") == 2
+    assert p.value("pagedserve:request_prefill_time_seconds_count") == 2
+    # The decode worker held the 2 full blocks already: it pulled only the partial one.
+    d = worker_scrape(cluster, "d0")
+    assert d.value("pagedserve:kv_transfer_pulls_total", transport="shm") == 2
+    assert d.value("pagedserve:kv_transfer_blocks_total", outcome="pulled") == 3 + 1
+    assert d.value("pagedserve:kv_transfer_blocks_total", outcome="reused") == 2
+    dw = cluster.workers["d0"]
+    assert d.value("pagedserve:kv_transfer_bytes_total", transport="shm") == 4 * block_bytes(dw)
+    assert d.value("pagedserve:request_decode_time_seconds_count") == 2
 
 
 def test_status_codes_admission_and_live_workers():
@@ -258,9 +324,9 @@ def test_engine_that_does_not_answer_reports_engine_up_0():
     snap = WorkerSnapshot(
         engine=None, blocks=None, open_leases=2, expired_leases_total=3, staged_bytes=4096
     )
-    metrics = WorkerMetrics(WorkerIdentity("decode", "d9"), lambda: snap)
+    metrics = WorkerMetrics(WorkerIdentity("decode", "d9", model_name="m"), lambda: snap)
     samples = parse_samples(generate_latest(metrics.registry).decode())
-    labels = frozenset({"pool": "decode", "worker": "d9"}.items())
+    labels = frozenset({"model_name": "m", "pool": "decode", "worker": "d9"}.items())
     assert samples[("pagedserve:engine_up", labels)] == 0
     assert samples[("pagedserve:kv_open_leases", labels)] == 2
     assert samples[("pagedserve:kv_leases_expired_total", labels)] == 3
@@ -273,7 +339,8 @@ def test_engine_progress_and_stall():
     rt = start_worker(WorkerConfig("s0", "decode", tiny_engine_config(), metrics_port=0))
     try:
         metrics = WorkerMetrics.attach(rt, stall_s=0.5)  # a second exporter, quick to stall
-        labels = frozenset({"pool": "decode", "worker": "s0"}.items())
+        name = metrics.identity.model_name
+        labels = frozenset({"model_name": name, "pool": "decode", "worker": "s0"}.items())
 
         def read(name: str) -> float:
             return parse_samples(generate_latest(metrics.registry).decode())[(name, labels)]
@@ -306,6 +373,13 @@ def test_router_counters_map_to_series():
             "index_unavailable": 4,
             "prefill_retries": 1,
             "decode_retries": 2,
+            # counters other parts of the router added (router/server.py, router/prefix.py)
+            "index_busy": 3,
+            "registry_malformed": 2,
+            "refused_draining": 5,
+            "prefill_refused": 4,
+            "decode_refused": 6,
+            "channels_closed": 1,
         },
         inflight=1,
         queued=0,
@@ -317,12 +391,14 @@ def test_router_counters_map_to_series():
     )
     samples = {
         (s.name, frozenset(s.labels.items())): s.value
-        for family in router_families(snap)
+        for family in router_families(snap, "m")
         for s in family.samples
     }
 
     def v(name: str, **labels: str) -> float:
-        return samples[("pagedserve:router_" + name, frozenset(labels.items()))]
+        return samples[
+            ("pagedserve:router_" + name, frozenset({**labels, "model_name": "m"}.items()))
+        ]
 
     decisions = {"prefill_decode": 3, "local_prefill_short": 2, "local_prefill_cached": 1}
     decisions |= {"local_prefill_fallback": 1, "cross_worker_pull": 2}
@@ -337,6 +413,10 @@ def test_router_counters_map_to_series():
     assert v("admission_rejections_total") == 6 and v("requests_received_total") == 9
     assert v("admission_limit", kind="queued") == 2 and v("requests_inflight") == 1
     assert v("live_workers", pool="decode") == 2 and v("live_workers", pool="prefill") == 0
+    assert v("prefix_index_busy_total") == 3 and v("worker_registry_malformed_total") == 2
+    assert v("draining_refusals_total") == 5 and v("channels_closed_total") == 1
+    assert v("worker_refusals_total", pool="prefill") == 4
+    assert v("worker_refusals_total", pool="decode") == 6
 
 
 def test_bad_metrics_ports_are_refused():
@@ -344,6 +424,112 @@ def test_bad_metrics_ports_are_refused():
         WorkerConfig("w", "decode", metrics_port=70000)
     with pytest.raises(ConfigError, match="metrics_port"):
         RouterConfig(metrics_port=-1)
+    with pytest.raises(ValueError, match="metrics_compat"):
+        WorkerConfig("w", "decode", metrics_compat="sglang")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="metrics_compat"):
+        RouterConfig(metrics_compat="sglang")  # type: ignore[arg-type]
+
+
+VLLM_WORKER = {
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_preemptions_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:cache_config_info",
+    "vllm:request_queue_time_seconds_count",
+    "vllm:request_prefill_time_seconds_count",
+    "vllm:request_decode_time_seconds_count",
+    "vllm:request_inference_time_seconds_count",
+}
+VLLM_ROUTER = {
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:inter_token_latency_seconds_count",
+    "vllm:time_per_output_token_seconds_count",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:request_prompt_tokens_count",
+    "vllm:request_generation_tokens_count",
+}
+
+
+def test_vllm_compat_series_and_grpc_transfer_failures():
+    """metrics_compat="vllm" on router and workers: vLLM's names with vLLM's meanings,
+    model_name on each; KV over gRPC, then a corrupted chunk counted by cause."""
+    ec = tiny_engine_config()
+    rc = dataclasses.replace(ROUTER_CONFIG, model=ec.model, metrics_port=0, metrics_compat="vllm")
+    c = Cluster(start_router_in_thread(rc), ec)
+    try:
+        for worker_id, pool in [("p0", "prefill"), ("d0", "decode")]:
+            c.add_worker(
+                worker_id, pool, metrics_port=0, metrics_compat="vllm", kv_transport="grpc"
+            )
+        generate(c, PROMPT)
+        c.wait_quiescent()
+        name = tiny_model_name(c)
+        r, p, d = router_scrape(c), worker_scrape(c, "p0"), worker_scrape(c, "d0")
+        for s in (r, p, d):
+            s.assert_model_name_everywhere(name)
+        assert r.names() >= VLLM_ROUTER and p.names() >= VLLM_WORKER and d.names() >= VLLM_WORKER
+        # Request-level series once, at the router; per-engine ones at each worker.
+        assert not {n for n in p.names() | d.names() if n.startswith("vllm:")} & VLLM_ROUTER
+        assert r.value("vllm:prompt_tokens_total") == len(PROMPT)
+        assert r.value("vllm:generation_tokens_total") == MAX_TOKENS
+        assert r.value("vllm:request_success_total", finished_reason="length") == 1
+        assert r.value("vllm:time_to_first_token_seconds_count") == 1
+        assert r.value("vllm:e2e_request_latency_seconds_count") == 1
+        assert r.value("vllm:request_prompt_tokens_sum") == len(PROMPT)
+        assert r.value("vllm:request_generation_tokens_sum") == MAX_TOKENS
+        gaps = r.value("pagedserve:router_inter_token_latency_seconds_count")
+        assert r.value("vllm:inter_token_latency_seconds_count") == gaps
+        assert r.value("vllm:time_per_output_token_seconds_count") == gaps
+        assert p.value("vllm:prefix_cache_queries_total") == len(PROMPT)
+        assert p.value("vllm:request_prefill_time_seconds_count") == 1
+        assert d.value("vllm:request_decode_time_seconds_count") == 1
+        assert d.value("vllm:num_requests_running") == 0
+        assert d.value("vllm:num_requests_waiting") == 0
+        assert d.value("vllm:kv_cache_usage_perc") == 0
+        assert d.value("vllm:cache_config_info", block_size="16", num_gpu_blocks="128") == 1
+        dw = c.workers["d0"]
+        assert d.value("pagedserve:kv_transfer_pulls_total", transport="grpc") == 1
+        assert d.value("pagedserve:kv_transfer_bytes_total", transport="grpc") == 3 * block_bytes(
+            dw
+        )
+        # A corrupted chunk: the decode worker recomputes (the client sees no error) and
+        # counts a checksum failure.
+        previous = install(FaultInjector(FaultSpec(corrupt_chunk=1.0)))
+        try:
+            generate(c, [t + 100 for t in PROMPT])
+        finally:
+            install(previous)
+        c.wait_quiescent()
+        d = worker_scrape(c, "d0")
+        assert d.value("pagedserve:kv_transfer_failures_total", cause="checksum") == 1
+        assert d.value("pagedserve:kv_transfer_checksum_mismatches_total") == 1
+        assert d.value("pagedserve:kv_transfer_pulls_total", transport="grpc") == 1
+        assert d.value("pagedserve:kv_transfer_seconds_count", transport="grpc") == 2
+        # Recomputed here (the prompt and the imported first token): computed tokens count
+        # it; the prompt itself was counted once, by p0, which prefilled it.
+        assert d.value("pagedserve:prompt_tokens_computed_total") == len(PROMPT) + 1
+        assert d.value("pagedserve:prompt_tokens_total") == 0
+        r = router_scrape(c)
+        assert r.value("vllm:request_success_total", finished_reason="length") == 2
+    finally:
+        c.stop()
+
+
+def test_cli_metrics_compat_flags():
+    from pagedserve.router.__main__ import build_parser as router_parser
+
+    assert router_parser().parse_args(["--metrics-compat", "vllm"]).metrics_compat == "vllm"
+    assert router_parser().parse_args([]).metrics_compat is None
+    args = launch.build_parser().parse_args(["--metrics-compat", "vllm"])
+    assert args.metrics_compat == "vllm"
+    with pytest.raises(SystemExit):
+        launch.build_parser().parse_args(["--metrics-compat", "sglang"])
 
 
 def test_launcher_metrics_ports_and_placement():

@@ -47,6 +47,7 @@ from pagedserve.common.core.detokenizer import IncrementalDetokenizer
 from pagedserve.common.core.kv_cache import KVCache, num_blocks_for_budget
 from pagedserve.common.core.loader import LoadedModel, load_model
 from pagedserve.common.core.model_runner import ModelRunner
+from pagedserve.common.core.request_stats import RequestStatsLog
 from pagedserve.common.core.sampler import SampleOutput, Sampler, make_generator
 from pagedserve.common.core.scheduler import ScheduledSeq, Scheduler
 from pagedserve.common.core.sequence import Request, Sequence, SequenceStatus, make_seq_id
@@ -178,6 +179,7 @@ class LLMEngine:
         self._last_step_s = 0.0
         self._step_s = 0.0
         self._forward_s = 0.0
+        self.request_stats = RequestStatsLog()  # per-request phases, for the exporter
 
     # -- requests -------------------------------------------------------------
 
@@ -283,6 +285,7 @@ class LLMEngine:
         self.last_step_was_empty = sched.is_empty and not touched
         if sched.is_empty:
             return self._collect(touched)
+        self.request_stats.scheduled(sched)
         t_fwd = time.perf_counter()
         logits, sampled = self.runner.execute(sched)
         self._forward_s += time.perf_counter() - t_fwd
@@ -447,6 +450,7 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> None:
         params = seq.request.params
+        self.request_stats.token(seq.request)
         seq.token_ids.append(token)
         seq.pending_token_ids.append(token)
         seq.logprobs.append(lp)
@@ -689,6 +693,7 @@ class LLMEngine:
                     cached_tokens=req.num_cached_tokens,
                 )
                 self.requests.pop(req.request_id, None)
+                self.request_stats.done(req)
             error = req.error if finished else None
             outputs.append(RequestOutput(req.request_id, samples, finished, usage, error))
         return outputs

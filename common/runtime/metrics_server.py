@@ -10,6 +10,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, start_http_server
 
 PREFIX = "pagedserve:"
+# metrics_compat="vllm": the vLLM-named copies (same meaning, same labels).
+VLLM_PREFIX = "vllm:"
 
 
 class MetricsServer:

@@ -78,6 +78,9 @@ class WorkerConfig:
     index_ttl_s: float = 10.0  # a worker silent this long drops out of the index
     # Prometheus endpoint (common/runtime/metrics.py) on `host`: None = none, 0 = any free port.
     metrics_port: int | None = None
+    # "vllm": also export the vLLM-named series (vllm:num_requests_waiting, ...) that the
+    # inference gateway and vLLM's dashboards read; None: pagedserve:* only.
+    metrics_compat: Literal["vllm"] | None = None
     # Bounds on waiting (races and leaks, see EngineLoop.call and kvtransfer/transport.py):
     engine_call_timeout_s: float = 30.0  # a handler waiting on the engine loop gives up
     kv_pull_timeout_s: float = 60.0  # deadline of every KV pull (PullBlocks, prefix import)
@@ -98,6 +101,8 @@ class WorkerConfig:
             raise ValueError("heartbeat_interval_s and lease_ttl_s must be > 0")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535] or None: {self.metrics_port}")
+        if self.metrics_compat not in (None, "vllm"):
+            raise ValueError(f"metrics_compat must be 'vllm' or None, got {self.metrics_compat!r}")
         for name in ("engine_call_timeout_s", "kv_pull_timeout_s", "release_lease_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

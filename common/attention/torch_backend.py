@@ -161,7 +161,7 @@ class TorchAttentionBackend:
         kernel = lib is not None and cpu_kernel.fits(q, k_cache, v_cache, tables, meta.seq_lens)
         if kernel:  # decode rows and short prefills' rows, in one call
             row_seq, row_lens = _kernel_rows(plan, meta)
-            cpu_kernel.attend_f32(lib, q, k_cache, v_cache, tables, row_lens, scale, out, row_seq)
+            cpu_kernel.attend(lib, q, k_cache, v_cache, tables, row_lens, scale, out, row_seq)
         for p in plan.prefills:
             if not kernel or p.seq_len > _KERNEL_MAX_PREFILL_LEN:
                 out[p.q_start : p.q_start + p.q_len] = _prefill_one(

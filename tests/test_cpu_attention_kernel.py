@@ -169,19 +169,28 @@ def test_kernel_rows_pick_their_sequence_and_length_and_skip_zero_lengths():
 
 
 @needs_kernel
-def test_long_prefills_go_to_sdpa_short_ones_to_the_kernel(monkeypatch):
+@pytest.mark.parametrize(
+    "dtype, limit, tol",
+    [
+        (torch.float32, "_KERNEL_MAX_PREFILL_LEN", 1e-6),
+        # bf16 SDPA rows: test_torch_attention's bf16 tolerance
+        (torch.bfloat16, "_KERNEL_MAX_PREFILL_LEN_BF16", 2e-2),
+    ],
+    ids=["fp32", "bf16"],
+)
+def test_long_prefills_go_to_sdpa_short_ones_to_the_kernel(monkeypatch, dtype, limit, tol):
     """One mixed batch split between the two paths (threshold lowered to 20 tokens):
     prefills with and without a cached prefix on both sides, plus decodes."""
     from test_torch_attention import _run_case
 
-    monkeypatch.setattr(torch_backend, "_KERNEL_MAX_PREFILL_LEN", 20)
+    monkeypatch.setattr(torch_backend, limit, 20)
     seqs = [(0, 13), (0, 40), (16, 3), (24, 9), (5, 1), (0, 1), (30, 1), (63, 1)]
-    rel, _, _ = _run_case(seqs, 5, 3, 8, torch.float32, seed=4)
-    assert rel < 1e-6
+    rel, _, _ = _run_case(seqs, 5, 3, 8, dtype, seed=4)
+    assert rel < tol
     calls = []
     monkeypatch.setattr(torch_backend, "_prefill_one", lambda *a: calls.append(a[-2]) or 0.0)
     monkeypatch.setattr(cpu_kernel, "attend", lambda *a: calls.append(a[5].tolist()))
-    _run_case(seqs, 5, 3, 8, torch.float32, seed=4)
+    _run_case(seqs, 5, 3, 8, dtype, seed=4)
     kernel_lens = calls[0]
     # rows of (0, 13), (16, 3) and (5, 1) and the decodes; 0 for (0, 40) and (24, 9)
     assert kernel_lens == [*range(1, 14), *[0] * 40, 17, 18, 19, *[0] * 9, 6, 1, 31, 64]

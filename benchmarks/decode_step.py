@@ -14,8 +14,10 @@ transformers median / pagedserve median.
 
 Every dtype's model is loaded first and all variants are timed in one
 alternation, so the bf16/fp32 ratio (and, with `--kernel on off`, the compiled
-attention kernel against the torch gather + SDPA path) comes from the same
+attention kernel against the torch gather + SDPA path; with `--prepack on off`,
+oneDNN-prepacked bf16 weights against torch's matmul) comes from the same
 minutes of a shared machine: `vs first` = the first row's median / this row's.
+`--kernel off --prepack off` is the engine as it was before bf16 got either.
 
 `--profile` instead breaks one decode step (`--batch`'s first value, default 64
 with it) and one `--prefill-len`-token prefill step into per-op times with
@@ -24,7 +26,7 @@ kernel or the torch path, K/V writes apart), SiLU-and-mul, logits.
 
     python -m benchmarks.decode_step                      # fp32 and bf16, batch 1 8 32
     python -m benchmarks.decode_step --dtype bf16 --batch 32 --context 512 --json out.json
-    python -m benchmarks.decode_step --no-baseline --batch 1 8 64 --kernel on off
+    python -m benchmarks.decode_step --no-baseline --batch 1 8 64 --kernel on off --prepack on off
     python -m benchmarks.decode_step --profile --dtype fp32 bf16 --json profile.json
 """
 
@@ -132,14 +134,25 @@ def transformers_step(hf, batch: int, context: int) -> Callable[[], None]:
     return step
 
 
-def _with_kernel(step: Callable[[], None], backend, on: bool) -> Callable[[], None]:
-    """`step` with the compiled CPU attention kernel switched on or off for its run."""
+def _with_settings(step: Callable[[], None], model, kernel: bool, prepack: bool):
+    """`step` run with the compiled CPU attention kernel on or off and the model's
+    prepacked weights in use or not (swapped in and out, not rebuilt)."""
+    packs = ([layer.packed for layer in model.layers], model.lm_head_packed)
+    backend = model.attention_backend
 
     def run() -> None:
-        backend.cpu_kernel = on
+        backend.cpu_kernel = kernel
+        for layer, packed in zip(model.layers, packs[0], strict=True):
+            layer.packed = packed if prepack else {}
+        model.lm_head_packed = packs[1] if prepack else None
         step()
 
     return run
+
+
+def _settings(args) -> list[tuple[str, str]]:
+    """(kernel, prepack) pairs asked for: every combination of --kernel and --prepack."""
+    return [(k, pk) for k in args.kernel for pk in args.prepack]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -157,6 +170,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default=["on"],
         choices=["on", "off"],
         help="C attention kernel on (where it fits), off (torch path), or both in alternation",
+    )
+    ap.add_argument(
+        "--prepack",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="oneDNN-prepacked weights (bf16 on CPU, model.can_prepack) on, off, or both",
     )
     ap.add_argument("--profile", action="store_true", help="per-op breakdown instead")
     ap.add_argument("--prefill-len", type=int, default=512, help="--profile's prefill step")
@@ -181,23 +201,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
         variants, fns = [], []
         for d, lm in loaded.items():
             step = paged_step(lm, b, args.context, args.block_size)
-            for k in args.kernel:
-                variants.append(("pagedserve", d, k))
-                fns.append(_with_kernel(step, lm.model.attention_backend, k == "on"))
+            for k, pk in _settings(args):
+                variants.append(("pagedserve", d, k, pk))
+                fns.append(_with_settings(step, lm.model, k == "on", pk == "on"))
             if d in hfs:
-                variants.append(("transformers", d, "-"))
+                variants.append(("transformers", d, "-", "-"))
                 fns.append(transformers_step(hfs[d], b, args.context))
         times = _interleaved_ms(fns, args.iters, warmup=2)
         ref = {
-            d: t for (who, d, _), t in zip(variants, times, strict=True) if who == "transformers"
+            d: t for (who, d, _, _), t in zip(variants, times, strict=True) if who == "transformers"
         }
         first = times[0][0]
-        for (who, d, k), (med, lo) in zip(variants, times, strict=True):
+        for (who, d, k, pk), (med, lo) in zip(variants, times, strict=True):
             if who != "pagedserve":
                 continue
             row = dict(
                 dtype=d,
                 kernel=k,
+                prepack=pk,
                 batch=b,
                 context=args.context,
                 pagedserve_ms=round(med, 2),
@@ -227,7 +248,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def _print_row(r: dict, header: bool) -> None:
     if header:
         print(
-            f"{'dtype':>5} {'kernel':>6} {'batch':>5} {'ctx':>5} {'pagedserve ms (min)':>20} "
+            f"{'dtype':>5} {'kernel':>6} {'prepack':>7} {'batch':>5} {'ctx':>5} {'pagedserve ms (min)':>20} "
             f"{'vs first':>8} {'transformers ms (min)':>22} {'speedup':>8} {'tok/s':>7}"
         )
     ours = f"{r['pagedserve_ms']:.1f} ({r['pagedserve_min_ms']:.1f})"
@@ -236,7 +257,7 @@ def _print_row(r: dict, header: bool) -> None:
         base = f"{r['transformers_ms']:.1f} ({r['transformers_min_ms']:.1f})"
     ratio = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
     print(
-        f"{r['dtype']:>5} {r['kernel']:>6} {r['batch']:>5} {r['context']:>5} {ours:>20} "
+        f"{r['dtype']:>5} {r['kernel']:>6} {r['prepack']:>7} {r['batch']:>5} {r['context']:>5} {ours:>20} "
         f"{r['vs_first']:>7.2f}x {base:>22} {ratio:>8} {r['pagedserve_tok_s']:>7.0f}",
         flush=True,
     )
@@ -349,10 +370,12 @@ def _category(ev, weights: dict[tuple[int, int], str]) -> str:
         if node.name in _LABELS:
             return node.name
         node = node.cpu_parent
-    if ev.name in ("aten::mm", "aten::addmm", "aten::matmul") and ev.input_shapes:
-        for shape in ev.input_shapes:
-            if len(shape) == 2 and tuple(shape) in weights:
-                return weights[tuple(shape)]
+    matmuls = ("aten::mm", "aten::addmm", "aten::matmul", "mkldnn::_linear_pointwise")
+    if ev.name in matmuls and ev.input_shapes:
+        for shape in ev.input_shapes[1:]:  # a prepacked weight is [out, in]
+            for key in (tuple(shape), tuple(shape)[::-1]):
+                if len(key) == 2 and key in weights:
+                    return weights[key]
     return _OP_NAMES.get(ev.name, ev.name)
 
 
@@ -369,62 +392,82 @@ _LABELS = {
 }
 
 
-def _profile_one(step: Callable[[], None], spec, reps: int) -> tuple[float, dict[str, float]]:
-    """(wall ms per step, {category: self CPU ms per step}) over `reps` profiled steps."""
+def _profile_one(step: Callable[[], None], spec) -> tuple[float, dict[str, float]]:
+    """(wall ms, {category: self CPU ms}) of one profiled step."""
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(2):
-        step()
     weights = _weight_names(spec)
     with _phase_labels(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         t0 = time.perf_counter()
-        for _ in range(reps):
-            step()
-        wall = (time.perf_counter() - t0) * 1e3 / reps
+        step()
+        wall = (time.perf_counter() - t0) * 1e3
     cats: dict[str, float] = {}
     for ev in prof.events():
-        if ev.cpu_parent is None and ev.name not in _LABELS and not ev.name.startswith("aten::"):
-            continue
+        if ev.cpu_parent is None and ev.name not in _LABELS and "::" not in ev.name:
+            continue  # not an operator (aten::, mkldnn::) nor a phase: the profiler's own
         key = _category(ev, weights)
-        cats[key] = cats.get(key, 0.0) + ev.self_cpu_time_total / 1e3 / reps
+        cats[key] = cats.get(key, 0.0) + ev.self_cpu_time_total / 1e3
     return wall, cats
 
 
 def profile_main(args) -> list[dict]:
-    """Per-op table of a decode and a prefill step for each dtype (and kernel setting)."""
+    """Per-op table of a decode and a prefill step for each dtype (and kernel setting).
+
+    Every variant is profiled once per round, rounds alternate (`--iters` of them),
+    and each op's figure is its median over the rounds: a shared machine's bursts
+    land on single rounds, not on one variant."""
     batch = (args.batch or [64])[0]
-    results = []
+    variants = []  # (step name, dtype, "kernel/prepack", run, spec)
+    models = []
     for d in args.dtype:
         lm = load_model(None, dtype=DTYPES[d], attention_backend="torch")
+        models.append(lm.model)
         steps = {
             f"decode b{batch} ctx{args.context}": paged_step(
                 lm, batch, args.context, args.block_size
             ),
             f"prefill {args.prefill_len}": prefill_step(lm, args.prefill_len, args.block_size),
         }
-        for k in args.kernel:
+        for k, pk in _settings(args):
             for name, step in steps.items():
-                wall, cats = _profile_one(
-                    _with_kernel(step, lm.model.attention_backend, k == "on"), lm.spec, args.iters
-                )
-                results.append(dict(step=name, dtype=d, kernel=k, wall_ms=wall, ops_ms=cats))
-    lm.model.attention_backend.cpu_kernel = True
+                run = _with_settings(step, lm.model, k == "on", pk == "on")
+                variants.append((name, d, f"{k}/{pk}", run, lm.spec))
+    for _, _, _, run, _ in variants:  # warm-up
+        run()
+    samples: list[list[tuple[float, dict[str, float]]]] = [[] for _ in variants]
+    for _ in range(args.iters):
+        for (_, _, _, run, spec), out in zip(variants, samples, strict=True):
+            out.append(_profile_one(run, spec))
+    results = []
+    for (name, d, k, _, _), out in zip(variants, samples, strict=True):
+        keys = {c for _, cats in out for c in cats}
+        ops = {c: statistics.median(cats.get(c, 0.0) for _, cats in out) for c in keys}
+        wall = statistics.median(w for w, _ in out)
+        kernel, prepack = k.split("/")
+        results.append(
+            dict(step=name, dtype=d, kernel=kernel, prepack=prepack, wall_ms=wall, ops_ms=ops)
+        )
+    for m in models:
+        m.attention_backend.cpu_kernel = True
     for name in dict.fromkeys(r["step"] for r in results):
         rs = [r for r in results if r["step"] == name]
-        cols = [f"{r['dtype']}/k:{r['kernel']}" for r in rs]
+        cols = [f"{r['dtype']} k:{r['kernel']} p:{r['prepack']}" for r in rs]
         total = {}
         for r in rs:
             for c, ms in r["ops_ms"].items():
                 total[c] = total.get(c, 0.0) + ms
         order = sorted(total, key=total.get, reverse=True)
-        print(f"\n{name} (ms per step, self CPU time; threads {args.threads})")
+        print(
+            f"\n{name} (ms per step, self CPU time, median of {args.iters} alternating "
+            f"rounds; threads {args.threads})"
+        )
         print(f"{'op':34}" + "".join(f"{c:>16}" for c in cols))
         for c in order:
             if total[c] < 0.05 * len(rs):
                 continue
             print(f"{c[:34]:34}" + "".join(f"{r['ops_ms'].get(c, 0.0):16.2f}" for r in rs))
         print(f"{'sum of ops':34}" + "".join(f"{sum(r['ops_ms'].values()):16.2f}" for r in rs))
-        print(f"{'wall (profiled)':34}" + "".join(f"{r['wall_ms']:16.2f}" for r in rs))
+        print(f"{'wall (profiled, median)':34}" + "".join(f"{r['wall_ms']:16.2f}" for r in rs))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"threads": args.threads, "profile": results}, f, indent=2)

@@ -150,9 +150,11 @@ def _with_settings(step: Callable[[], None], model, kernel: bool, prepack: bool)
     return run
 
 
-def _settings(args) -> list[tuple[str, str]]:
-    """(kernel, prepack) pairs asked for: every combination of --kernel and --prepack."""
-    return [(k, pk) for k in args.kernel for pk in args.prepack]
+def _settings(args, dtype: str) -> list[tuple[str, str]]:
+    """(kernel, prepack) pairs asked for: every combination of --kernel and --prepack
+    (prepacking applies to bf16 only, model.can_prepack: other dtypes take the first)."""
+    prepack = args.prepack if dtype == "bf16" else args.prepack[:1]
+    return [(k, pk) for k in args.kernel for pk in prepack]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -201,7 +203,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         variants, fns = [], []
         for d, lm in loaded.items():
             step = paged_step(lm, b, args.context, args.block_size)
-            for k, pk in _settings(args):
+            for k, pk in _settings(args, d):
                 variants.append(("pagedserve", d, k, pk))
                 fns.append(_with_settings(step, lm.model, k == "on", pk == "on"))
             if d in hfs:
@@ -428,7 +430,7 @@ def profile_main(args) -> list[dict]:
             ),
             f"prefill {args.prefill_len}": prefill_step(lm, args.prefill_len, args.block_size),
         }
-        for k, pk in _settings(args):
+        for k, pk in _settings(args, d):
             for name, step in steps.items():
                 run = _with_settings(step, lm.model, k == "on", pk == "on")
                 variants.append((name, d, f"{k}/{pk}", run, lm.spec))

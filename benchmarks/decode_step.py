@@ -463,13 +463,13 @@ def profile_main(args) -> list[dict]:
             f"\n{name} (ms per step, self CPU time, median of {args.iters} alternating "
             f"rounds; threads {args.threads})"
         )
-        print(f"{'op':34}" + "".join(f"{c:>16}" for c in cols))
+        print(f"{'op':34}" + "".join(f"{c:>17}" for c in cols))
         for c in order:
             if total[c] < 0.05 * len(rs):
                 continue
-            print(f"{c[:34]:34}" + "".join(f"{r['ops_ms'].get(c, 0.0):16.2f}" for r in rs))
-        print(f"{'sum of ops':34}" + "".join(f"{sum(r['ops_ms'].values()):16.2f}" for r in rs))
-        print(f"{'wall (profiled, median)':34}" + "".join(f"{r['wall_ms']:16.2f}" for r in rs))
+            print(f"{c[:34]:34}" + "".join(f"{r['ops_ms'].get(c, 0.0):17.2f}" for r in rs))
+        print(f"{'sum of ops':34}" + "".join(f"{sum(r['ops_ms'].values()):17.2f}" for r in rs))
+        print(f"{'wall (profiled, median)':34}" + "".join(f"{r['wall_ms']:17.2f}" for r in rs))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"threads": args.threads, "profile": results}, f, indent=2)

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -431,6 +432,44 @@ def test_bf16_mixed_batch_of_prefills_and_decodes_all_in_the_kernel(block_size, 
     assert kernel_calls == [torch.bfloat16]
     # _run_case draws every K/V from N(0, 1) rounded to bf16: |v| < 6 here
     _assert_bf16_close(out, ref, 6.0)
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "march",
+    [["-march=native", "-mno-avx512bf16"], ["-march=x86-64-v2"]],
+    ids=["avx512f-without-bf16", "plain-c"],
+)
+def test_bf16_portable_paths_match_dense_reference(march, tmp_path):
+    """The paths other CPUs take, built here with those instructions withheld: AVX-512F
+    without AVX512_BF16 (two FMAs for the dot product) and no AVX-512 at all."""
+    if platform.machine() != "x86_64":
+        pytest.skip("x86 flags")
+    if "avx512f" not in _cpu_flags() and "-mno-avx512bf16" in march:
+        pytest.skip("no AVX-512 here")
+    import ctypes
+
+    flags = [f for f in cpu_kernel._FLAGS if not f.startswith("-march=")]
+    out_so = tmp_path / "k.so"
+    cmd = ["gcc", *flags, *march, "-o", str(out_so), str(cpu_kernel._SOURCE)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    lib = cpu_kernel.bind(ctypes.CDLL(str(out_so)))
+    for d in (16, 32, 64, 256):
+        for group in (1, 3):
+            q, k, v, kc, vc, meta, ref = _decode_case(
+                [*LENS, 300], 2 * group, 2, d, 16, seed=d, dtype=torch.bfloat16
+            )
+            write_kv(k, v, kc, vc, meta.slot_mapping)
+            out = torch.empty_like(q)
+            cpu_kernel.attend(lib, q, kc, vc, meta.block_tables, meta.seq_lens, d**-0.5, out)
+            _assert_bf16_close(out, ref, float(vc.abs().max()))
 
 
 @needs_kernel

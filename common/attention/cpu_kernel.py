@@ -95,6 +95,16 @@ def _build(cc: str, out: Path) -> None:
             os.unlink(tmp)
 
 
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the argument types of a built library's entry points; returns it."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for fn in (lib.pagedserve_attend_f32, lib.pagedserve_attend_bf16):
+        fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr]
+        fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return lib
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The built kernel library, or None (logged once) when it cannot be had here."""
@@ -114,13 +124,7 @@ def load() -> ctypes.CDLL | None:
         path = cache_dir() / f"cpu_attention-{key}.so"
         if not path.exists():
             _build(cc, path)
-        lib = ctypes.CDLL(str(path))
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        for fn in (lib.pagedserve_attend_f32, lib.pagedserve_attend_bf16):
-            fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr]
-            fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, ctypes.c_int]
-            fn.restype = ctypes.c_int
-        return lib
+        return bind(ctypes.CDLL(str(path)))
     except Exception as e:  # any failure means: use the torch path
         log.warning(
             "CPU attention kernel unavailable (%s): using torch attention, which is slower; "

@@ -3,6 +3,8 @@
     python -m benchmarks.engine_throughput                       # engine + both baselines
     python -m benchmarks.engine_throughput --skip-baselines      # the engine alone
     python -m benchmarks.engine_throughput --vllm-python /path/to/vllm-venv/bin/python
+    python -m benchmarks.engine_throughput --skip-baselines --dtype bfloat16 float32 \
+        --kernel on off --prepack on off --repeat 3 --json engine.json   # before/after
 
 The workload (benchmarks/workloads/engine64.json, a copy of the project's fixed
 workload): 64 requests for the default model, prompts of random token ids 16-512
@@ -16,6 +18,10 @@ Measured, in one run, each after a warm-up:
 3. transformers one request at a time (slow on CPU: `--single-limit N` times only
    the first N requests and reports their rate, labelled as such);
 4. optionally vLLM's CPU build in its own virtual environment (`--vllm-python`).
+With several `--dtype`/`--kernel`/`--prepack` values, every combination of engine
+settings runs in turn, `--repeat` alternating rounds, each reported at its median
+round; `engine x` is then the first variant's rate over each row's, and
+`--kernel off --prepack off` is the engine as before bf16 got either.
 
 Also reported: peak KV blocks in use against what a contiguous max_model_len
 reservation per request would hold, and the engine's own overhead per step (time
@@ -51,7 +57,11 @@ def load_workload(path: Path, limit: int | None) -> list[dict]:
 # -- 1. pagedserve -----------------------------------------------------------------
 
 
-def run_engine(reqs: list[dict], dtype: str, max_batched_tokens: int) -> dict:
+def run_engine(
+    reqs: list[dict], dtype: str, max_batched_tokens: int, kernel: bool = True, prepack: bool = True
+) -> dict:
+    """One engine over the workload. `kernel`/`prepack` False turn off the compiled
+    CPU attention kernel / the oneDNN-prepacked bf16 weights (for before/after)."""
     engine = LLMEngine(
         EngineConfig(
             dtype=dtype,  # type: ignore[arg-type]
@@ -61,6 +71,9 @@ def run_engine(reqs: list[dict], dtype: str, max_batched_tokens: int) -> dict:
             ),
         )
     )
+    engine.model.attention_backend.cpu_kernel = kernel
+    if not prepack:
+        engine.model.prepack_weights(False)
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     engine.add_request("warmup", prompt_token_ids=reqs[0]["prompt_token_ids"], params=warm)
     while engine.has_unfinished_requests():
@@ -93,8 +106,9 @@ def run_engine(reqs: list[dict], dtype: str, max_batched_tokens: int) -> dict:
     contiguous_blocks = len(reqs) * -(-engine.max_model_len // block_size)
     step_s = after.step_s_total - before.step_s_total
     fwd_s = after.forward_s_total - before.forward_s_total
+    settings = "" if kernel and prepack else f" (kernel {kernel}, prepack {prepack})"
     return {
-        "name": "pagedserve engine",
+        "name": f"pagedserve engine{settings}".replace("True", "on").replace("False", "off"),
         "dtype": engine.dtype_name,
         "wall_s": wall,
         "output_tokens": n_out,
@@ -240,11 +254,32 @@ def agreement(a: dict, b: dict) -> str:
     return f"{same}/{len(keys)}"
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The run of median throughput among repeats, with every repeat's tok/s."""
+    best = sorted(runs, key=lambda r: r["tok_per_s"])[len(runs) // 2]
+    return {**best, "tok_per_s_runs": [round(r["tok_per_s"], 1) for r in runs]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", type=Path, default=WORKLOAD)
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
-    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    ap.add_argument(
+        "--dtype",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", *DTYPES],
+        help="several: each engine run in turn (baselines use the first)",
+    )
+    ap.add_argument(
+        "--kernel", nargs="+", default=["on"], choices=["on", "off"], help="C attention kernel"
+    )
+    ap.add_argument(
+        "--prepack", nargs="+", default=["on"], choices=["on", "off"], help="oneDNN bf16 weights"
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="rounds of all engine variants, in alternation"
+    )
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument("--skip-baselines", action="store_true")
     ap.add_argument("--static-batch", type=int, default=16)
@@ -256,9 +291,24 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = resolve_dtype(args.dtype, "cpu")
+    dtypes = [resolve_dtype(d, "cpu") for d in args.dtype]
+    dtype = dtypes[0]
     reqs = load_workload(args.workload, args.limit)
-    results = [run_engine(reqs, dtype, args.max_batched_tokens)]
+    # prepacking applies to bf16 only (model.can_prepack): other dtypes run once
+    variants = [
+        (d, k, pk)
+        for d in dtypes
+        for k in args.kernel
+        for pk in args.prepack
+        if d == "bfloat16" or pk == args.prepack[0]
+    ]
+    runs: dict[tuple, list[dict]] = {v: [] for v in variants}
+    for _ in range(args.repeat):  # alternating rounds: a shared machine's load hits all
+        for d, k, pk in variants:
+            runs[(d, k, pk)].append(
+                run_engine(reqs, d, args.max_batched_tokens, k == "on", pk == "on")
+            )
+    results = [_median_run(rs) for rs in runs.values()]
     eng = results[0]
     if not args.skip_baselines:
         results.append(run_hf_static(reqs, dtype, args.static_batch))
@@ -272,12 +322,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{eng['output_tokens']} output tokens; torch threads {torch.get_num_threads()}"
     )
     print(
-        f"{'engine':42} {'dtype':9} {'wall s':>8} {'out tok/s':>10} {'engine x':>9} {'greedy =':>9}"
+        f"{'engine':46} {'dtype':9} {'wall s':>8} {'out tok/s':>10} {'engine x':>9} {'greedy =':>9}"
     )
     for r in results:
         ratio = eng["tok_per_s"] / r["tok_per_s"]
         print(
-            f"{r['name']:42} {r['dtype']:9} {r['wall_s']:8.1f} {r['tok_per_s']:10.1f} "
+            f"{r['name']:46} {r['dtype']:9} {r['wall_s']:8.1f} {r['tok_per_s']:10.1f} "
             f"{ratio:9.2f} {agreement(eng, r):>9}"
         )
     print(

@@ -121,7 +121,7 @@ class RouterConfig:
     # "vllm": also export the vLLM-named request series (vllm:time_to_first_token_seconds,
     # vllm:prompt_tokens_total, ...) that vLLM's dashboards read; None: pagedserve:* only.
     metrics_compat: Literal["vllm"] | None = None
-    # -- bounds on the router's internal calls (router/server.py) --------------------
+    # -- bounds on the router's internal calls (router/dispatch.py, watch.py) -------
     # Every call to a worker ends within its bound even when the client set no
     # deadline (the client's deadline, when earlier, wins). A Prefill is one prompt's
     # forward plus its queueing on the worker.

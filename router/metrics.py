@@ -16,6 +16,10 @@ process keep their series apart):
 Every series carries `model_name` (the served model, `Frontend.model_name`), so that
 the router's series join the workers' and vLLM's dashboards on it.
 
+Over the ~500-line mark on purpose: it is off the request path (a stream wrapper and
+a scrape-time collector) and mostly the list of series with their help texts, which
+reads best in one place next to the table below.
+
 Series:
   pagedserve:router_requests_total{code}                 ended requests by gRPC status
   pagedserve:router_requests_received_total

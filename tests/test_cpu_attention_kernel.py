@@ -1,13 +1,19 @@
 """The compiled CPU attention kernel (common/core/attention/cpu_attention.c) and its fallback.
 
-The kernel (decode rows, and prefill rows with their causal lengths) is compared with softmax attention computed densely in float64 and
-with the pure-torch decode path, over head sizes that take its AVX-512 code
-(16, 32, 64, 128 where the CPU has AVX-512) and its plain-C code (24), GQA group
+The kernel (decode rows, and prefill rows with their causal lengths) is compared
+with softmax attention computed densely in float64 and with the pure-torch decode
+path, in fp32 and in bf16 (inputs rounded to bf16 first, the reference computed
+from the rounded values, an elementwise tolerance of half an output ulp plus
+fp32 accumulation: see BF16_ACC_ULPS), over head sizes that take its AVX-512 code
+(fp32: 16, 32, 64, 128; bf16: 32, 64, 128, 256, where the CPU has AVX-512)
+and its plain-C code (24; 16 in bf16), GQA group
 sizes 1/3/4, block sizes 8/16/32 and lengths ending inside and on the edge of
 blocks and 16-token tiles; rows picking their sequence and length; the split
 of prefills between kernel and SDPA. Also: bad lengths/block ids are refused
 before any read, thread count does not change results, a disabled or unbuildable kernel
-falls back to torch, builds are cached, and one backend serves two threads.
+falls back to torch, builds are cached, and one backend serves two threads; the
+bf16 engine's greedy output with the kernel against the torch path, and with the
+kernel switched off.
 Also the process-wide malloc tuning that CPU models apply (model.py).
 """
 
@@ -18,7 +24,9 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,17 +41,20 @@ LIB = cpu_kernel.load()
 needs_kernel = pytest.mark.skipif(LIB is None, reason="the CPU kernel did not build here")
 
 
-def _decode_case(lens, h, kvh, d, block_size, seed):
-    """Decode-only batch over a randomly permuted cache. Returns tensors + reference."""
+def _decode_case(lens, h, kvh, d, block_size, seed, dtype=torch.float32):
+    """Decode-only batch over a randomly permuted cache. Returns tensors + reference.
+
+    Inputs are drawn in fp32 and rounded to `dtype`; the float64 reference is
+    computed from the rounded values (so for bf16 it holds no input rounding)."""
     g = torch.Generator().manual_seed(seed)
     n_blocks = sum(math.ceil(n / block_size) for n in lens) + 2
     perm = torch.randperm(n_blocks, generator=g).tolist()
-    k_cache = torch.randn(n_blocks, block_size, kvh, d, generator=g)
-    v_cache = torch.randn(n_blocks, block_size, kvh, d, generator=g)
+    k_cache = torch.randn(n_blocks, block_size, kvh, d, generator=g).to(dtype)
+    v_cache = torch.randn(n_blocks, block_size, kvh, d, generator=g).to(dtype)
     tables, refs, slots = [], [], []
-    q = torch.randn(len(lens), h, d, generator=g)
-    k_new = torch.randn(len(lens), kvh, d, generator=g)
-    v_new = torch.randn(len(lens), kvh, d, generator=g)
+    q = torch.randn(len(lens), h, d, generator=g).to(dtype)
+    k_new = torch.randn(len(lens), kvh, d, generator=g).to(dtype)
+    v_new = torch.randn(len(lens), kvh, d, generator=g).to(dtype)
     for i, n in enumerate(lens):
         table = [perm.pop() for _ in range(math.ceil(n / block_size))]
         tables.append(table)
@@ -95,7 +106,7 @@ def test_kernel_on_strided_query_rows_and_long_sequences():
     write_kv(k, v, kc, vc, meta.slot_mapping)
     qv = wide[:, :h]
     assert cpu_kernel.fits(qv, kc, vc, meta.block_tables, meta.seq_lens)
-    cpu_kernel.attend_f32(LIB, qv, kc, vc, meta.block_tables, meta.seq_lens, d**-0.5, out)
+    cpu_kernel.attend(LIB, qv, kc, vc, meta.block_tables, meta.seq_lens, d**-0.5, out)
     assert _rel(out, ref) < 1e-6
 
 
@@ -131,7 +142,7 @@ def test_kernel_refuses_bad_lengths_block_ids_and_sequences(what, lens, table, r
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     rows = None if row_seq is None else torch.tensor(row_seq, dtype=torch.int32)
     with pytest.raises(ValueError, match="query row 0"):
-        cpu_kernel.attend_f32(LIB, q, kc, vc, tables, seq_lens, 0.1, out, rows)
+        cpu_kernel.attend(LIB, q, kc, vc, tables, seq_lens, 0.1, out, rows)
     assert bool((out == 7.0).all()), f"{what}: output written before the check"
 
 
@@ -145,7 +156,7 @@ def test_kernel_rows_pick_their_sequence_and_length_and_skip_zero_lengths():
     lens = torch.tensor([1, 40, 24, 0, 17], dtype=torch.int32)
     qr = torch.randn(5, h, d)
     out = torch.full((5, h, d), 3.0)
-    cpu_kernel.attend_f32(LIB, qr, kc, vc, meta.block_tables, lens, d**-0.5, out, rows)
+    cpu_kernel.attend(LIB, qr, kc, vc, meta.block_tables, lens, d**-0.5, out, rows)
     for r, (seq, n) in enumerate(zip(rows.tolist(), lens.tolist(), strict=True)):
         if n == 0:
             assert bool((out[r] == 3.0).all())
@@ -159,19 +170,28 @@ def test_kernel_rows_pick_their_sequence_and_length_and_skip_zero_lengths():
 
 
 @needs_kernel
-def test_long_prefills_go_to_sdpa_short_ones_to_the_kernel(monkeypatch):
+@pytest.mark.parametrize(
+    "dtype, limit, tol",
+    [
+        (torch.float32, "_KERNEL_MAX_PREFILL_LEN", 1e-6),
+        # bf16 SDPA rows: test_torch_attention's bf16 tolerance
+        (torch.bfloat16, "_KERNEL_MAX_PREFILL_LEN_BF16", 2e-2),
+    ],
+    ids=["fp32", "bf16"],
+)
+def test_long_prefills_go_to_sdpa_short_ones_to_the_kernel(monkeypatch, dtype, limit, tol):
     """One mixed batch split between the two paths (threshold lowered to 20 tokens):
     prefills with and without a cached prefix on both sides, plus decodes."""
     from test_torch_attention import _run_case
 
-    monkeypatch.setattr(torch_backend, "_KERNEL_MAX_PREFILL_LEN", 20)
+    monkeypatch.setattr(torch_backend, limit, 20)
     seqs = [(0, 13), (0, 40), (16, 3), (24, 9), (5, 1), (0, 1), (30, 1), (63, 1)]
-    rel, _, _ = _run_case(seqs, 5, 3, 8, torch.float32, seed=4)
-    assert rel < 1e-6
+    rel, _, _ = _run_case(seqs, 5, 3, 8, dtype, seed=4)
+    assert rel < tol
     calls = []
     monkeypatch.setattr(torch_backend, "_prefill_one", lambda *a: calls.append(a[-2]) or 0.0)
-    monkeypatch.setattr(cpu_kernel, "attend_f32", lambda *a: calls.append(a[5].tolist()))
-    _run_case(seqs, 5, 3, 8, torch.float32, seed=4)
+    monkeypatch.setattr(cpu_kernel, "attend", lambda *a: calls.append(a[5].tolist()))
+    _run_case(seqs, 5, 3, 8, dtype, seed=4)
     kernel_lens = calls[0]
     # rows of (0, 13), (16, 3) and (5, 1) and the decodes; 0 for (0, 40) and (24, 9)
     assert kernel_lens == [*range(1, 14), *[0] * 40, 17, 18, 19, *[0] * 9, 6, 1, 31, 64]
@@ -182,7 +202,9 @@ def test_fits_rejects_what_the_kernel_cannot_read():
     q, kc = torch.randn(2, 4, 32), torch.randn(4, 16, 2, 32)
     tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     assert cpu_kernel.fits(q, kc, kc, tables, lens)
-    assert not cpu_kernel.fits(q.bfloat16(), kc.bfloat16(), kc.bfloat16(), tables, lens)
+    assert cpu_kernel.fits(q.bfloat16(), kc.bfloat16(), kc.bfloat16(), tables, lens)
+    assert not cpu_kernel.fits(q.half(), kc.half(), kc.half(), tables, lens)
+    assert not cpu_kernel.fits(q.bfloat16(), kc, kc, tables, lens)  # mixed dtypes
     assert not cpu_kernel.fits(q, kc, kc, tables.long(), lens)
     assert not cpu_kernel.fits(q.transpose(0, 1), kc, kc, tables, lens)  # strided heads
     assert not cpu_kernel.fits(q, kc[:, ::2], kc[:, ::2], tables, lens)  # strided cache
@@ -310,3 +332,245 @@ def _steady_state_faults(tuning: bool) -> int:
         check=True,
     )
     return int(out.stdout.split()[-1])
+
+
+# ---- bf16 -----------------------------------------------------------------------------
+
+# bf16 tolerance. Inputs are rounded to bf16 first and the float64 reference is
+# computed from those same rounded values, so the kernel's only errors are its
+# fp32 arithmetic and the final rounding of each output element to bf16. Hence,
+# elementwise: |out - ref| <= half a bf16 ulp of ref (the output rounding, 2^-9
+# relative) + BF16_ACC_ULPS * 2^-24 * max|v| (fp32 sums over at most ~800 terms
+# whose rounding errors have random signs: about sqrt(n) units of 2^-24 at the
+# scale of the sum, which is at most max|v|; measured here: <= 0.13 units). Any
+# extra rounding to bf16 inside the kernel (of the softmax weights, say) would
+# show as ~2^-9 of |out|, thousands of times this margin.
+BF16_ACC_ULPS = 64
+
+
+def _assert_bf16_close(out: torch.Tensor, ref: torch.Tensor, v_scale: float) -> None:
+    assert out.dtype == torch.bfloat16
+    tiny = torch.finfo(torch.float32).tiny
+    half_ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(tiny))) - 8)
+    excess = (out.double() - ref).abs() - half_ulp - BF16_ACC_ULPS * 2**-24 * v_scale
+    worst = float(excess.max())
+    assert worst <= 0, f"bf16 kernel error exceeds half an ulp + accumulation by {worst:.3g}"
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The dtypes of the q tensors handed to the C kernel, in order."""
+    calls: list[torch.dtype] = []
+    real = cpu_kernel.attend
+
+    def spy(lib, q, *a, **kw):
+        calls.append(q.dtype)
+        return real(lib, q, *a, **kw)
+
+    monkeypatch.setattr(cpu_kernel, "attend", spy)
+    return calls
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 24])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_bf16_kernel_matches_dense_reference(d, group, block_size, kernel_calls):
+    """Through the backend (new K/V written into the bf16 cache, then attended)."""
+    kvh = 2
+    q, k, v, kc, vc, meta, ref = _decode_case(
+        LENS, kvh * group, kvh, d, block_size, seed=d, dtype=torch.bfloat16
+    )
+    out = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, d**-0.5)
+    assert kernel_calls == [torch.bfloat16]
+    _assert_bf16_close(out, ref, float(vc.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [64, 256])
+def test_bf16_kernel_on_strided_query_rows_and_long_sequences(d):
+    h, kvh = 9, 3
+    q, k, v, kc, vc, meta, ref = _decode_case(
+        [700, 513, 1, 64], h, kvh, d, 16, seed=5, dtype=torch.bfloat16
+    )
+    wide = torch.zeros(q.shape[0], h + kvh, d, dtype=torch.bfloat16)
+    wide[:, :h] = q
+    out = torch.empty(q.shape[0], h, d, dtype=torch.bfloat16)
+    write_kv(k, v, kc, vc, meta.slot_mapping)
+    qv = wide[:, :h]
+    assert cpu_kernel.fits(qv, kc, vc, meta.block_tables, meta.seq_lens)
+    cpu_kernel.attend(LIB, qv, kc, vc, meta.block_tables, meta.seq_lens, d**-0.5, out)
+    _assert_bf16_close(out, ref, float(vc.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [32, 24])
+def test_bf16_kernel_prefill_rows_pick_their_sequence_and_length(d):
+    """Prefill-style rows in bf16 (the causal rule through row lengths); lens 0 skips."""
+    h, kvh = 6, 2
+    bf16 = torch.bfloat16
+    _, _, _, kc, vc, meta, _ = _decode_case([40, 24], h, kvh, d, 8, seed=9, dtype=bf16)
+    rows = torch.tensor([0, 0, 1, 1, 0], dtype=torch.int32)
+    lens = torch.tensor([1, 40, 24, 0, 17], dtype=torch.int32)
+    qr = torch.randn(5, h, d, generator=torch.Generator().manual_seed(1)).to(bf16)
+    out = torch.full((5, h, d), 3.0, dtype=bf16)
+    cpu_kernel.attend(LIB, qr, kc, vc, meta.block_tables, lens, d**-0.5, out, rows)
+    for r, (seq, n) in enumerate(zip(rows.tolist(), lens.tolist(), strict=True)):
+        if n == 0:
+            assert bool((out[r] == 3.0).all())
+            continue
+        table = meta.block_tables[seq].tolist()
+        flat = torch.tensor([table[p // 8] * 8 + p % 8 for p in range(n)])
+        kk = kc.view(-1, kvh, d)[flat].double().repeat_interleave(h // kvh, dim=1)
+        vv = vc.view(-1, kvh, d)[flat].double().repeat_interleave(h // kvh, dim=1)
+        p = (torch.einsum("hd,nhd->hn", qr[r].double(), kk) * d**-0.5).softmax(-1)
+        _assert_bf16_close(out[r], torch.einsum("hn,nhd->hd", p, vv), float(vc.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_bf16_mixed_batch_of_prefills_and_decodes_all_in_the_kernel(block_size, kernel_calls):
+    """Prefills with and without a cached prefix and decodes, one bf16 kernel call."""
+    from test_torch_attention import _run_case
+
+    seqs = [(0, 13), (16, 3), (24, 9), (5, 1), (0, 1), (30, 1), (63, 1)]
+    _, out, ref = _run_case(seqs, 3, 3, block_size, torch.bfloat16, seed=4)
+    assert kernel_calls == [torch.bfloat16]
+    # _run_case draws every K/V from N(0, 1) rounded to bf16: |v| < 6 here
+    _assert_bf16_close(out, ref, 6.0)
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "march",
+    [["-march=native", "-mno-avx512bf16"], ["-march=x86-64-v2"]],
+    ids=["avx512f-without-bf16", "plain-c"],
+)
+def test_bf16_portable_paths_match_dense_reference(march, tmp_path):
+    """The paths other CPUs take, built here with those instructions withheld: AVX-512F
+    without AVX512_BF16 (two FMAs for the dot product) and no AVX-512 at all."""
+    if platform.machine() != "x86_64":
+        pytest.skip("x86 flags")
+    if "avx512f" not in _cpu_flags() and "-mno-avx512bf16" in march:
+        pytest.skip("no AVX-512 here")
+    import ctypes
+
+    flags = [f for f in cpu_kernel._FLAGS if not f.startswith("-march=")]
+    out_so = tmp_path / "k.so"
+    cmd = ["gcc", *flags, *march, "-o", str(out_so), str(cpu_kernel._SOURCE)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    lib = cpu_kernel.bind(ctypes.CDLL(str(out_so)))
+    for d in (16, 32, 64, 256):
+        for group in (1, 3):
+            q, k, v, kc, vc, meta, ref = _decode_case(
+                [*LENS, 300], 2 * group, 2, d, 16, seed=d, dtype=torch.bfloat16
+            )
+            write_kv(k, v, kc, vc, meta.slot_mapping)
+            out = torch.empty_like(q)
+            cpu_kernel.attend(lib, q, kc, vc, meta.block_tables, meta.seq_lens, d**-0.5, out)
+            _assert_bf16_close(out, ref, float(vc.abs().max()))
+
+
+@needs_kernel
+def test_bf16_thread_count_does_not_change_results():
+    case = _decode_case(LENS * 3, 8, 2, 64, 16, seed=11, dtype=torch.bfloat16)
+    q, k, v, kc, vc, meta, _ = case
+    backend = TorchAttentionBackend()
+    one = backend.forward(q, k, v, kc, vc, meta, 0.125)
+    torch.set_num_threads(2)
+    try:
+        two = backend.forward(q, k, v, kc, vc, meta, 0.125)
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(one, two)
+
+
+# The engine in bf16, kernel against torch path. The two attentions differ only
+# in rounding (each output element is within half a bf16 ulp of exact), but the
+# difference passes through the layers and the logits are bf16 too: a logit
+# between 8 and 16 moves in steps of 2^-4 = 0.0625 nats. Measured here: the
+# chosen tokens' logprobs differ by <= 0.042; the bound is two such steps, far
+# below what a wrong attention gives (several nats). Where the torch path's top
+# two are closer than NEAR_TIE_NATS the greedy pick may go either way: the
+# comparison of that sequence stops at the first divergence.
+ENGINE_LOGPROB_TOL = 0.125
+NEAR_TIE_NATS = 0.1
+
+
+def _tiny_llama(head_dim: int) -> str:
+    """A tiny random Llama (6 query heads over 2 KV heads) with this head size."""
+    from builders import _randomize, tiny_config, tiny_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config("llama")
+    cfg.head_dim = head_dim
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    _randomize(model, 0)
+    out = tempfile.mkdtemp(prefix=f"pagedserve-bf16-d{head_dim}-")
+    model.save_pretrained(out)
+    tiny_tokenizer().save_pretrained(out)
+    return out
+
+
+def _greedy(llm, prompts, max_tokens=16):
+    from pagedserve.common.api.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    return [o.completions[0] for o in llm.generate(prompts, params)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [16, 64], ids=["d16-plain-C", "d64-avx512"])
+def test_bf16_engine_with_kernel_matches_torch_path_and_falls_back(
+    head_dim, kernel_calls, fresh_load, monkeypatch
+):
+    import shutil
+
+    from pagedserve.common.core.llm import LLM
+
+    path = _tiny_llama(head_dim)
+    try:
+        llm = LLM(path, dtype="bfloat16", num_blocks=128, enable_prefix_caching=False)
+        backend = llm.engine.model.attention_backend
+        g = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 23, 40, 70)]
+
+        with_kernel = _greedy(llm, prompts)
+        assert kernel_calls and set(kernel_calls) == {torch.bfloat16}
+        kernel_calls.clear()
+        backend.cpu_kernel = False
+        torch_path = _greedy(llm, prompts)
+        assert kernel_calls == []
+        compared = 0
+        for a, b in zip(with_kernel, torch_path, strict=True):
+            for ta, tb, la, lb in zip(
+                a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=True
+            ):
+                top = [lp for _, lp in lb.top]
+                if ta != tb:
+                    assert top[0] - top[1] < NEAR_TIE_NATS, f"{a.token_ids} vs {b.token_ids}"
+                    break
+                assert abs(la.logprob - lb.logprob) <= ENGINE_LOGPROB_TOL
+                compared += 1
+        assert compared >= 2 * 16  # most of it was compared (measured: 48 of 64)
+
+        # the kernel switched off for the process: the torch path, bit for bit
+        backend.cpu_kernel = True
+        monkeypatch.setenv("PAGEDSERVE_CPU_KERNEL", "0")
+        cpu_kernel.load.cache_clear()
+        fallback = _greedy(llm, prompts)
+        assert kernel_calls == []
+        assert [c.token_ids for c in fallback] == [c.token_ids for c in torch_path]
+        assert [[lp.logprob for lp in c.logprobs] for c in fallback] == [
+            [lp.logprob for lp in c.logprobs] for c in torch_path
+        ]
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -25,6 +25,7 @@ from transformers import DynamicCache
 from pagedserve.common.core.attention.base import AttentionMetadata
 from pagedserve.common.core.kv_cache import KVCache
 from pagedserve.common.core.loader import load_model
+from pagedserve.common.core.model import can_prepack
 
 ARCHS = ["llama", "llama3", "qwen2", "qwen3"]
 NEW_TOKENS = 64
@@ -144,6 +145,47 @@ def test_half_precision_logits_close_to_fp32(dtype):
     rel = float((got - ref).norm() / ref.norm())
     assert rel < 0.05, f"{dtype} logits relative error {rel:.3f}"
     assert int(got.argmax()) == int(ref.argmax())
+
+
+# torch's bf16 matmul on the CPU is oneDNN too (reordering the weight on every
+# call), and the logits came out bit-identical here; another CPU's oneDNN may pick
+# different kernels for the two layouts (fp32 sums in another order, an output
+# rounding apart now and then), so the bound is 1% of the logits, still far below
+# what a wrong weight gives (checked below with a flipped matrix).
+PREPACK_REL_TOL = 0.01
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases (fused)
+def test_bf16_prepacked_weights_match_torch_matmuls(arch):
+    """bf16 on CPU: the oneDNN-prepacked matrices (model.can_prepack) against
+    torch's own bf16 matmul on the same weights; a weight changed in place is
+    picked up by `prepack_weights()`; False drops the copies."""
+    model = load_model(str(tiny_checkpoint(arch)), dtype=torch.bfloat16).model
+    if not can_prepack(torch.bfloat16, model.device):
+        pytest.skip("no oneDNN bf16 on this CPU")
+    assert len(model.layers[0].packed) == 4 and model.lm_head_packed is not None
+
+    def logits() -> torch.Tensor:
+        sess = PagedSession(model, num_blocks=16, block_size=8)
+        sess.add("s", _prompt(20, 11))
+        return sess.step(["s"], [])["s"]
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm())
+
+    packed = logits()
+    assert model.prepack_weights(False) is False
+    assert model.layers[0].packed == {} and model.lm_head_packed is None
+    plain = logits()
+    assert rel(packed, plain) < PREPACK_REL_TOL
+    assert int(packed.argmax()) == int(plain.argmax())
+
+    with torch.no_grad():
+        model.layers[1].down_proj.mul_(-1.0)
+    changed = logits()
+    assert rel(changed, plain) > 10 * PREPACK_REL_TOL  # the change matters
+    assert model.prepack_weights() is True
+    assert rel(logits(), changed) < PREPACK_REL_TOL
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -550,7 +550,7 @@ def test_bad_utf8_is_invalid_argument_and_oversized_requests_are_refused_unparse
 
 
 def test_tokenizing_and_hashing_run_off_the_event_loop(real_decode, monkeypatch):
-    import pagedserve.router.server as server_mod
+    import pagedserve.router.routing as routing_mod
 
     seen: dict[str, str] = {}
 
@@ -561,7 +561,7 @@ def test_tokenizing_and_hashing_run_off_the_event_loop(real_decode, monkeypatch)
 
         return spy
 
-    monkeypatch.setattr(server_mod, "hash_chain", on_thread("hash", server_mod.hash_chain))
+    monkeypatch.setattr(routing_mod, "hash_chain", on_thread("hash", routing_mod.hash_chain))
     with start_router_in_thread(router_config(prefix=PrefixRouting())) as router:
         heartbeat(router.address, real_decode.stats())
         frontend = router.call(lambda r: r.frontend)

@@ -1,4 +1,4 @@
-/* Paged attention on the CPU, fp32, one query row at a time, reading K/V straight
+/* Paged attention on the CPU, fp32 or bf16, one query row at a time, reading K/V straight
  * from the block-table'd cache (no gather): a decode token is one row over its
  * sequence's L cached tokens; a prefill token at position p is one row over the
  * first p + 1 (causal). Built and loaded by cpu_kernel.py; see its docstring.
@@ -21,6 +21,22 @@
  * With AVX-512 and D a multiple of 16 (up to 256), 16 tokens go at a time:
  * the 16 dot products of a head end as 16 vectors reduced by one transpose-add
  * tree, and exp runs on vectors; otherwise plain loops (one_row_generic).
+ *
+ * bf16 (pagedserve_attend_bf16: q, K/V cache and out in bf16, everything else
+ * fp32): the same three passes, accumulating in fp32; only the output is
+ * rounded (to nearest even) back to bf16. With AVX-512 and D a multiple of 32
+ * (up to 256) 32 bf16 values are one vector: as 16 32-bit lanes, lane i holds
+ * elements 2i (low half) and 2i + 1 (high half), so `x << 16` and
+ * `x & 0xffff0000` are the fp32 values of the even and the odd elements,
+ * exactly, with no widening loads or shuffles. Scores q . k: one
+ * _mm512_dpbf16_ps per 32 elements where the CPU has AVX512_BF16 (products of
+ * bf16 are exact in fp32, sums in fp32: the same arithmetic as the two FMAs of
+ * the plain AVX-512F path below it). Weighted V: p stays fp32 (rounding it to
+ * bf16 for a dot-product instruction would double the error of the output) and
+ * V's even and odd elements go to two fp32 accumulators, packed back into
+ * element order as bf16 only at the end. Other D, or no AVX-512: plain loops
+ * (one_row_generic_bf16), converting element by element.
+ *
  * Rows are handed to threads one at a time (an atomic counter). Only the
  * OpenMP runtime's parallel region is used, with the caller's thread count
  * (torch's), so it runs on torch's own OpenMP threads.
@@ -52,66 +68,93 @@ static inline float exp_nonpos(float x) {
     return p * two_n;
 }
 
-/* Any D, no vector intrinsics (what other CPUs and head sizes get). */
-static void one_row_generic(const float *q, const float *k_cache, const float *v_cache,
-                                 const int32_t *table, int64_t L, int64_t H, int64_t KVH,
-                                 int64_t D, int64_t BS, float scale, float *out, float *s,
-                                 float *acc, float *inv) {
-    const int64_t G = H / KVH;
-    const int64_t row = KVH * D; /* floats per token within a block */
-
-    /* 1. scores: s [H, L] */
-    for (int64_t t0 = 0; t0 < L; t0 += BS) {
-        const float *kb = k_cache + (int64_t)table[t0 / BS] * BS * row;
-        const int64_t n = L - t0 < BS ? L - t0 : BS;
-        for (int64_t j = 0; j < n; ++j) {
-            const float *kt = kb + j * row;
-            for (int64_t h = 0; h < H; ++h) {
-                const float *kh = kt + (h / G) * D;
-                const float *qh = q + h * D;
-                float a = 0.0f;
-#pragma omp simd reduction(+ : a)
-                for (int64_t i = 0; i < D; ++i) a += qh[i] * kh[i];
-                s[h * L + t0 + j] = a * scale;
-            }
-        }
-    }
-    /* 2. softmax numerators in place, 1 / denominators in inv */
-    for (int64_t h = 0; h < H; ++h) {
-        float *sh = s + h * L;
-        float m = sh[0];
-        for (int64_t t = 1; t < L; ++t) m = sh[t] > m ? sh[t] : m;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < L; ++t) {
-            float e = exp_nonpos(sh[t] - m);
-            sh[t] = e;
-            sum += e;
-        }
-        inv[h] = 1.0f / sum;
-    }
-    /* 3. weighted V: acc [H, D] */
-    memset(acc, 0, (size_t)(H * D) * sizeof(float));
-    for (int64_t t0 = 0; t0 < L; t0 += BS) {
-        const float *vb = v_cache + (int64_t)table[t0 / BS] * BS * row;
-        const int64_t n = L - t0 < BS ? L - t0 : BS;
-        for (int64_t j = 0; j < n; ++j) {
-            const float *vt = vb + j * row;
-            for (int64_t h = 0; h < H; ++h) {
-                const float *vh = vt + (h / G) * D;
-                const float p = s[h * L + t0 + j];
-                float *ah = acc + h * D;
-#pragma omp simd
-                for (int64_t i = 0; i < D; ++i) ah[i] += p * vh[i];
-            }
-        }
-    }
-    for (int64_t h = 0; h < H; ++h) {
-        const float c = inv[h];
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) out[h * D + i] = acc[h * D + i] * c;
-    }
+/* bf16 <-> fp32: a bf16 is the high half of an fp32. Rounding to nearest even;
+ * a NaN stays a NaN (its quiet bit is in the kept half). */
+static inline float bf16_to_f32(uint16_t x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+#define LD_F32(x) (x)
+#define ST_F32(x) (x)
+#define LD_BF16(x) bf16_to_f32(x)
+#define ST_BF16(x) f32_to_bf16(x)
+
+/* Any D, no vector intrinsics (what other CPUs and head sizes get): one body,
+ * instantiated for fp32 and for bf16 (elements of type T read through LD,
+ * written through ST; the arithmetic is fp32 either way). */
+#define DEFINE_ONE_ROW_GENERIC(NAME, T, LD, ST)                                            \
+static void NAME(const T *q, const T *k_cache, const T *v_cache,                        \
+                                 const int32_t *table, int64_t L, int64_t H, int64_t KVH, \
+                                 int64_t D, int64_t BS, float scale, T *out, float *s,  \
+                                 float *acc, float *inv) {                              \
+    const int64_t G = H / KVH;                                                          \
+    const int64_t row = KVH * D; /* floats per token within a block */                  \
+                                                                                        \
+    /* 1. scores: s [H, L] */                                                           \
+    for (int64_t t0 = 0; t0 < L; t0 += BS) {                                            \
+        const T *kb = k_cache + (int64_t)table[t0 / BS] * BS * row;                     \
+        const int64_t n = L - t0 < BS ? L - t0 : BS;                                    \
+        for (int64_t j = 0; j < n; ++j) {                                               \
+            const T *kt = kb + j * row;                                                 \
+            for (int64_t h = 0; h < H; ++h) {                                           \
+                const T *kh = kt + (h / G) * D;                                         \
+                const T *qh = q + h * D;                                                \
+                float a = 0.0f;                                                         \
+    _Pragma("omp simd reduction(+ : a)")                                                \
+                for (int64_t i = 0; i < D; ++i) a += LD(qh[i]) * LD(kh[i]);             \
+                s[h * L + t0 + j] = a * scale;                                          \
+            }                                                                           \
+        }                                                                               \
+    }                                                                                   \
+    /* 2. softmax numerators in place, 1 / denominators in inv */                       \
+    for (int64_t h = 0; h < H; ++h) {                                                   \
+        float *sh = s + h * L;                                                          \
+        float m = sh[0];                                                                \
+        for (int64_t t = 1; t < L; ++t) m = sh[t] > m ? sh[t] : m;                      \
+        float sum = 0.0f;                                                               \
+    _Pragma("omp simd reduction(+ : sum)")                                              \
+        for (int64_t t = 0; t < L; ++t) {                                               \
+            float e = exp_nonpos(sh[t] - m);                                            \
+            sh[t] = e;                                                                  \
+            sum += e;                                                                   \
+        }                                                                               \
+        inv[h] = 1.0f / sum;                                                            \
+    }                                                                                   \
+    /* 3. weighted V: acc [H, D] */                                                     \
+    memset(acc, 0, (size_t)(H * D) * sizeof(float));                                    \
+    for (int64_t t0 = 0; t0 < L; t0 += BS) {                                            \
+        const T *vb = v_cache + (int64_t)table[t0 / BS] * BS * row;                     \
+        const int64_t n = L - t0 < BS ? L - t0 : BS;                                    \
+        for (int64_t j = 0; j < n; ++j) {                                               \
+            const T *vt = vb + j * row;                                                 \
+            for (int64_t h = 0; h < H; ++h) {                                           \
+                const T *vh = vt + (h / G) * D;                                         \
+                const float p = s[h * L + t0 + j];                                      \
+                float *ah = acc + h * D;                                                \
+    _Pragma("omp simd")                                                                 \
+                for (int64_t i = 0; i < D; ++i) ah[i] += p * LD(vh[i]);                 \
+            }                                                                           \
+        }                                                                               \
+    }                                                                                   \
+    for (int64_t h = 0; h < H; ++h) {                                                   \
+        const float c = inv[h];                                                         \
+    _Pragma("omp simd")                                                                 \
+        for (int64_t i = 0; i < D; ++i) out[h * D + i] = ST(acc[h * D + i] * c);        \
+    }                                                                                   \
+}
+
+DEFINE_ONE_ROW_GENERIC(one_row_generic, float, LD_F32, ST_F32)
+DEFINE_ONE_ROW_GENERIC(one_row_generic_bf16, uint16_t, LD_BF16, ST_BF16)
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -154,6 +197,38 @@ static inline __m512 exp512_nonpos(__m512 x) {
     return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
 }
 
+/* Pass 2 on s [H, Lp] (Lp = L rounded up to 16): the scores past L become -inf,
+ * then each head's row becomes exp(s - max) in place and inv[h] 1 / its sum. */
+static inline void softmax512(float *s, int64_t H, int64_t L, int64_t Lp, float *inv) {
+    const __mmask16 tail = (__mmask16)((1u << (L - (Lp - 16))) - 1u);
+    for (int64_t h = 0; h < H; ++h) {
+        float *sh = s + h * Lp;
+        _mm512_storeu_ps(sh + Lp - 16, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), tail,
+                                                         _mm512_loadu_ps(sh + Lp - 16)));
+        __m512 m = _mm512_loadu_ps(sh);
+        for (int64_t t = 16; t < Lp; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sh + t));
+        const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < Lp; t += 16) {
+            const __m512 e = exp512_nonpos(_mm512_sub_ps(_mm512_loadu_ps(sh + t), vm));
+            _mm512_storeu_ps(sh + t, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        inv[h] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+}
+
+/* Each block's first token offset -> every token's element offset off[t], t < Lp
+ * (the tile padding past L repeats token L - 1: real, finite data). */
+static inline void token_offsets(const int32_t *table, int64_t L, int64_t Lp, int64_t BS,
+                                 int64_t row, int64_t *off) {
+    for (int64_t t0 = 0, i = 0; t0 < L; t0 += BS, ++i) { /* no division per token */
+        const int64_t base = (int64_t)table[i] * BS * row, n = L - t0 < BS ? L - t0 : BS;
+        for (int64_t j = 0; j < n; ++j) off[t0 + j] = base + j * row;
+    }
+    for (int64_t t = L; t < Lp; ++t) off[t] = off[L - 1];
+}
+
 /* C = D / 16 vectors per head row; inlined with C = 1, 2, 4, 8, 16.
  * Tokens go 16 at a time; the last tile's rows past L repeat row L - 1 (real,
  * finite data) and their scores are set to -inf, so no tile needs a branch. */
@@ -163,11 +238,7 @@ static inline __attribute__((always_inline)) void one_row_avx512_impl(
     float *acc, float *inv, int64_t *off, const int64_t C) {
     const int64_t D = 16 * C, G = H / KVH, row = KVH * D;
     const int64_t Lp = (L + 15) & ~(int64_t)15;
-    for (int64_t t0 = 0, i = 0; t0 < L; t0 += BS, ++i) { /* no division per token */
-        const int64_t base = (int64_t)table[i] * BS * row, n = L - t0 < BS ? L - t0 : BS;
-        for (int64_t j = 0; j < n; ++j) off[t0 + j] = base + j * row;
-    }
-    for (int64_t t = L; t < Lp; ++t) off[t] = off[L - 1];
+    token_offsets(table, L, Lp, BS, row, off);
 
     /* 1. scores s [H, Lp], 16 tokens at a time */
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -192,22 +263,7 @@ static inline __attribute__((always_inline)) void one_row_avx512_impl(
         }
     }
     /* 2. softmax numerators in place (0 at the padding), 1 / denominators */
-    const __mmask16 tail = (__mmask16)((1u << (L - (Lp - 16))) - 1u);
-    for (int64_t h = 0; h < H; ++h) {
-        float *sh = s + h * Lp;
-        _mm512_storeu_ps(sh + Lp - 16, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), tail,
-                                                         _mm512_loadu_ps(sh + Lp - 16)));
-        __m512 m = _mm512_loadu_ps(sh);
-        for (int64_t t = 16; t < Lp; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sh + t));
-        const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < Lp; t += 16) {
-            const __m512 e = exp512_nonpos(_mm512_sub_ps(_mm512_loadu_ps(sh + t), vm));
-            _mm512_storeu_ps(sh + t, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        inv[h] = 1.0f / _mm512_reduce_add_ps(sum);
-    }
+    softmax512(s, H, L, Lp, inv);
     /* 3. weighted V: acc [H, D] (padding rows have weight 0) */
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
     for (int64_t t0 = 0; t0 < Lp; t0 += 16) {
@@ -237,6 +293,112 @@ static inline __attribute__((always_inline)) void one_row_avx512_impl(
         for (int64_t c = 0; c < C; ++c)
             _mm512_storeu_ps(out + h * D + 16 * c,
                              _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + 16 * c), c_inv));
+    }
+}
+
+/* bf16, P = D / 32 vectors of 32 bf16 per head row; inlined with P = 1, 2, 4, 8.
+ * acc holds each head's fp32 sums as [P][even 16 | odd 16] (see the top). */
+static inline __m512 bf16_even(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
+static inline __m512 bf16_odd(__m512i x) {
+    return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* Two fp32 vectors (even and odd elements) rounded to nearest even and packed as
+ * 32 bf16 in element order. (The operands are sums of finite values: no NaN.) */
+static inline __m512i bf16_pack(__m512 even, __m512 odd) {
+    const __m512i e = _mm512_castps_si512(even), o = _mm512_castps_si512(odd);
+    const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    const __m512i re = _mm512_add_epi32(
+        e, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(e, 16), one)));
+    const __m512i ro = _mm512_add_epi32(
+        o, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(o, 16), one)));
+    return _mm512_or_si512(_mm512_srli_epi32(re, 16),
+                           _mm512_and_si512(ro, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+static inline __attribute__((always_inline)) void one_row_avx512_bf16_impl(
+    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
+    int64_t L, int64_t H, int64_t KVH, int64_t BS, float scale, uint16_t *out, float *s,
+    float *acc, float *inv, int64_t *off, const int64_t P) {
+    const int64_t D = 32 * P, G = H / KVH, row = KVH * D;
+    const int64_t Lp = (L + 15) & ~(int64_t)15;
+    token_offsets(table, L, Lp, BS, row, off);
+
+    /* 1. scores s [H, Lp], 16 tokens at a time */
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < Lp; t0 += 16) {
+        for (int64_t kh = 0; kh < KVH; ++kh) {
+            for (int64_t g = 0; g < G; ++g) {
+                const uint16_t *qh = q + (kh * G + g) * D;
+                __m512i qv[8];
+#pragma GCC unroll 8
+                for (int64_t c = 0; c < P; ++c) qv[c] = _mm512_loadu_si512(qh + 32 * c);
+                __m512 part[16];
+#pragma GCC unroll 16
+                for (int64_t j = 0; j < 16; ++j) {
+                    const uint16_t *kr = k_cache + off[t0 + j] + kh * D;
+                    __m512 a = _mm512_setzero_ps();
+#pragma GCC unroll 8
+                    for (int64_t c = 0; c < P; ++c) {
+                        const __m512i kv = _mm512_loadu_si512(kr + 32 * c);
+#ifdef __AVX512BF16__
+                        a = _mm512_dpbf16_ps(a, (__m512bh)qv[c], (__m512bh)kv);
+#else
+                        a = _mm512_fmadd_ps(bf16_even(qv[c]), bf16_even(kv), a);
+                        a = _mm512_fmadd_ps(bf16_odd(qv[c]), bf16_odd(kv), a);
+#endif
+                    }
+                    part[j] = a;
+                }
+                _mm512_storeu_ps(s + (kh * G + g) * Lp + t0,
+                                 _mm512_mul_ps(sum16(part), vscale));
+            }
+        }
+    }
+    /* 2. softmax numerators in place (0 at the padding), 1 / denominators */
+    softmax512(s, H, L, Lp, inv);
+
+    /* 3. weighted V: acc [H, P, 2, 16] (padding rows have weight 0) */
+    memset(acc, 0, (size_t)(H * D) * sizeof(float));
+    for (int64_t t0 = 0; t0 < Lp; t0 += 16) {
+        for (int64_t kh = 0; kh < KVH; ++kh) {
+            for (int64_t g = 0; g < G; ++g) {
+                const int64_t h = kh * G + g;
+                float *ah = acc + h * D;
+                const float *ph = s + h * Lp + t0;
+                __m512 ae[8], ao[8];
+#pragma GCC unroll 8
+                for (int64_t c = 0; c < P; ++c) {
+                    ae[c] = _mm512_loadu_ps(ah + 32 * c);
+                    ao[c] = _mm512_loadu_ps(ah + 32 * c + 16);
+                }
+#pragma GCC unroll 16
+                for (int64_t j = 0; j < 16; ++j) {
+                    const uint16_t *vr = v_cache + off[t0 + j] + kh * D;
+                    const __m512 p = _mm512_set1_ps(ph[j]);
+#pragma GCC unroll 8
+                    for (int64_t c = 0; c < P; ++c) {
+                        const __m512i x = _mm512_loadu_si512(vr + 32 * c);
+                        ae[c] = _mm512_fmadd_ps(p, bf16_even(x), ae[c]);
+                        ao[c] = _mm512_fmadd_ps(p, bf16_odd(x), ao[c]);
+                    }
+                }
+#pragma GCC unroll 8
+                for (int64_t c = 0; c < P; ++c) {
+                    _mm512_storeu_ps(ah + 32 * c, ae[c]);
+                    _mm512_storeu_ps(ah + 32 * c + 16, ao[c]);
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+        const __m512 c_inv = _mm512_set1_ps(inv[h]);
+        for (int64_t c = 0; c < P; ++c) {
+            const float *ah = acc + h * D + 32 * c;
+            _mm512_storeu_si512(out + h * D + 32 * c,
+                                bf16_pack(_mm512_mul_ps(_mm512_loadu_ps(ah), c_inv),
+                                          _mm512_mul_ps(_mm512_loadu_ps(ah + 16), c_inv)));
+        }
     }
 }
 #endif
@@ -272,7 +434,32 @@ static void one_row(const float *q, const float *k_cache, const float *v_cache,
     one_row_generic(q, k_cache, v_cache, table, L, H, KVH, D, BS, scale, out, s, acc, inv);
 }
 
-/* Attends R query rows. Row r: query q + r * q_stride, output out + r * out_stride,
+static void one_row_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                         const int32_t *table, int64_t L, int64_t H, int64_t KVH, int64_t D,
+                         int64_t BS, float scale, uint16_t *out, float *scratch,
+                         int64_t Lp_max) {
+    float *s = scratch;
+    float *acc = s + H * Lp_max;
+    float *inv = acc + H * D;
+    int64_t *off = (int64_t *)(scratch + scratch_head_floats(H, D, Lp_max));
+#ifdef __AVX512F__
+#define AVX512_CASE(P)                                                                      \
+    one_row_avx512_bf16_impl(q, k_cache, v_cache, table, L, H, KVH, BS, scale, out, s, acc, \
+                             inv, off, P);                                                  \
+    return;
+    switch (D) {
+    case 32: AVX512_CASE(1)
+    case 64: AVX512_CASE(2)
+    case 128: AVX512_CASE(4)
+    case 256: AVX512_CASE(8)
+    }
+#undef AVX512_CASE
+#endif
+    (void)off;
+    one_row_generic_bf16(q, k_cache, v_cache, table, L, H, KVH, D, BS, scale, out, s, acc, inv);
+}
+
+/* Attends R query rows (fp32 or bf16 elements). Row r: query q + r * q_stride, output out + r * out_stride,
  * the first lens[r] tokens of the sequence whose block table is row
  * (row_seq ? row_seq[r] : r) of `tables` (n_tables rows of t_width ids, row
  * stride t_stride); lens[r] == 0 skips the row (its output is left alone).
@@ -280,12 +467,11 @@ static void one_row(const float *q, const float *k_cache, const float *v_cache,
  * just takes no rows, the others do them all); -2 - r when row r has a length
  * outside [0, t_width * BS], a sequence index outside [0, n_tables) or a block
  * id outside [0, NB) (all checked before anything is read or written). */
-int pagedserve_attend_f32(const float *q, int64_t q_stride, const float *k_cache,
-                          const float *v_cache, int64_t NB, const int32_t *tables,
-                          int64_t n_tables, int64_t t_stride, int64_t t_width,
-                          const int32_t *row_seq, const int32_t *lens, int64_t R, int64_t H,
-                          int64_t KVH, int64_t D, int64_t BS, float scale, float *out,
-                          int64_t out_stride, int num_threads) {
+static int attend(int bf16, const void *q, int64_t q_stride, const void *k_cache,
+                  const void *v_cache, int64_t NB, const int32_t *tables, int64_t n_tables,
+                  int64_t t_stride, int64_t t_width, const int32_t *row_seq,
+                  const int32_t *lens, int64_t R, int64_t H, int64_t KVH, int64_t D,
+                  int64_t BS, float scale, void *out, int64_t out_stride, int num_threads) {
     int64_t max_len = 1;
     for (int64_t r = 0; r < R; ++r) {
         const int64_t L = lens[r], seq = row_seq ? row_seq[r] : r;
@@ -311,9 +497,15 @@ int pagedserve_attend_f32(const float *q, int64_t q_stride, const float *k_cache
                 if (r >= R) break;
                 if (lens[r] > 0) {
                     const int64_t seq = row_seq ? row_seq[r] : r;
-                    one_row(q + r * q_stride, k_cache, v_cache, tables + seq * t_stride,
-                                 lens[r], H, KVH, D, BS, scale, out + r * out_stride, s,
-                                 Lp_max);
+                    const int32_t *table = tables + seq * t_stride;
+                    if (bf16)
+                        one_row_bf16((const uint16_t *)q + r * q_stride, k_cache, v_cache,
+                                     table, lens[r], H, KVH, D, BS, scale,
+                                     (uint16_t *)out + r * out_stride, s, Lp_max);
+                    else
+                        one_row((const float *)q + r * q_stride, k_cache, v_cache, table,
+                                lens[r], H, KVH, D, BS, scale, (float *)out + r * out_stride,
+                                s, Lp_max);
                 }
                 __atomic_fetch_add(&done, 1, __ATOMIC_RELAXED);
             }
@@ -321,4 +513,26 @@ int pagedserve_attend_f32(const float *q, int64_t q_stride, const float *k_cache
         }
     }
     return done == R ? 0 : -1;
+}
+
+int pagedserve_attend_f32(const float *q, int64_t q_stride, const float *k_cache,
+                          const float *v_cache, int64_t NB, const int32_t *tables,
+                          int64_t n_tables, int64_t t_stride, int64_t t_width,
+                          const int32_t *row_seq, const int32_t *lens, int64_t R, int64_t H,
+                          int64_t KVH, int64_t D, int64_t BS, float scale, float *out,
+                          int64_t out_stride, int num_threads) {
+    return attend(0, q, q_stride, k_cache, v_cache, NB, tables, n_tables, t_stride, t_width,
+                  row_seq, lens, R, H, KVH, D, BS, scale, out, out_stride, num_threads);
+}
+
+/* The same in bf16: q, the caches and out hold bf16 (as uint16_t), strides in
+ * elements; fp32 arithmetic inside, out rounded to nearest even. */
+int pagedserve_attend_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                           const uint16_t *v_cache, int64_t NB, const int32_t *tables,
+                           int64_t n_tables, int64_t t_stride, int64_t t_width,
+                           const int32_t *row_seq, const int32_t *lens, int64_t R, int64_t H,
+                           int64_t KVH, int64_t D, int64_t BS, float scale, uint16_t *out,
+                           int64_t out_stride, int num_threads) {
+    return attend(1, q, q_stride, k_cache, v_cache, NB, tables, n_tables, t_stride, t_width,
+                  row_seq, lens, R, H, KVH, D, BS, scale, out, out_stride, num_threads);
 }

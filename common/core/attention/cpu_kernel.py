@@ -1,4 +1,4 @@
-"""A compiled fp32 paged-attention kernel for the CPU (cpu_attention.c), built on first use.
+"""A compiled fp32/bf16 paged-attention kernel for the CPU (cpu_attention.c), built on first use.
 
 Why: decode attention is memory-bound (a decode token does ~1.5 flop per byte of
 K/V it reads), and the pure-torch path has to gather every sequence's blocks into
@@ -9,6 +9,13 @@ softmax per head in between (see the C file). The same code serves prefill
 tokens, each as one query row over its causal prefix: for the short prompts
 here that beats SDPA's flash kernel, whose GEMM tiles are mostly overhead at
 these sizes (numbers in torch_backend.py).
+
+bf16 (q, caches and output in bf16) goes through a twin entry point with the
+same arguments: the arithmetic is fp32 (bf16 products are exact in fp32, sums
+and the softmax are fp32), only the output is rounded to bf16, so it is as
+accurate as the fp32 kernel on the same bf16 inputs and reads half the bytes.
+With AVX512_BF16 the scores use `_mm512_dpbf16_ps`; with AVX-512F alone two
+FMAs on the even/odd halves; elsewhere plain C (see the C file).
 
 Build: `gcc -O3 -march=native -fopenmp -shared` (about a second), once per source
 text, compiler and CPU, into `$PAGEDSERVE_CACHE_DIR` (default
@@ -88,6 +95,16 @@ def _build(cc: str, out: Path) -> None:
             os.unlink(tmp)
 
 
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the argument types of a built library's entry points; returns it."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for fn in (lib.pagedserve_attend_f32, lib.pagedserve_attend_bf16):
+        fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr]
+        fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, ctypes.c_int]
+        fn.restype = ctypes.c_int
+    return lib
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The built kernel library, or None (logged once) when it cannot be had here."""
@@ -107,13 +124,7 @@ def load() -> ctypes.CDLL | None:
         path = cache_dir() / f"cpu_attention-{key}.so"
         if not path.exists():
             _build(cc, path)
-        lib = ctypes.CDLL(str(path))
-        fn = lib.pagedserve_attend_f32
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr]
-        fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        return lib
+        return bind(ctypes.CDLL(str(path)))
     except Exception as e:  # any failure means: use the torch path
         log.warning(
             "CPU attention kernel unavailable (%s): using torch attention, which is slower; "
@@ -125,15 +136,19 @@ def load() -> ctypes.CDLL | None:
         return None
 
 
-def attend_f32(
+# The kernel's entry point per element type (q, caches and out share it).
+_ENTRY = {torch.float32: "pagedserve_attend_f32", torch.bfloat16: "pagedserve_attend_bf16"}
+
+
+def attend(
     lib: ctypes.CDLL,
-    q: torch.Tensor,  # [R, H, D] fp32, rows may be strided, each row contiguous
-    k_cache: torch.Tensor,  # [NB, BS, KVH, D] fp32 contiguous
+    q: torch.Tensor,  # [R, H, D] fp32 or bf16, rows may be strided, each row contiguous
+    k_cache: torch.Tensor,  # [NB, BS, KVH, D] q's dtype, contiguous
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [S, max_blocks] int32, each row contiguous
     lens: torch.Tensor,  # [R] int32 contiguous: tokens row r attends; 0 = skip the row
     scale: float,
-    out: torch.Tensor,  # [R, H, D] fp32, rows may be strided, each row contiguous
+    out: torch.Tensor,  # [R, H, D] q's dtype, rows may be strided, each row contiguous
     row_seq: torch.Tensor | None = None,  # [R] int32: table row per query row; None = r
 ) -> None:
     """out[r] = softmax(q[r] k^T * scale) v over the first lens[r] cached tokens of
@@ -145,7 +160,7 @@ def attend_f32(
     """
     r, h, d = q.shape
     nb, bs, kvh, _ = k_cache.shape
-    rc = lib.pagedserve_attend_f32(
+    rc = getattr(lib, _ENTRY[q.dtype])(
         q.data_ptr(),
         q.stride(0),
         k_cache.data_ptr(),
@@ -186,9 +201,10 @@ def fits(
     block_tables: torch.Tensor,
     lens: torch.Tensor,
 ) -> bool:
-    """Whether `attend_f32` can run on these tensors as they are."""
+    """Whether `attend` can run on these tensors as they are."""
     return (
-        q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        q.dtype == k_cache.dtype == v_cache.dtype
+        and q.dtype in _ENTRY
         and q.device.type == k_cache.device.type == v_cache.device.type == "cpu"
         and block_tables.device.type == lens.device.type == "cpu"
         and k_cache.is_contiguous()

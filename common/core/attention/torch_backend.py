@@ -1,9 +1,9 @@
-"""Paged attention in plain torch, plus a compiled CPU kernel for fp32: the CPU
-default and the reference for kernels.
+"""Paged attention in plain torch, plus a compiled CPU kernel for fp32 and bf16: the
+CPU default and the reference for kernels.
 
 Per layer: write the new K/V into the cache (`write_kv`), then attend.
 
-fp32 on the CPU (when `cpu_kernel.py` could build `cpu_attention.c`): one kernel
+fp32 and bf16 on the CPU (when `cpu_kernel.py` could build `cpu_attention.c`): one kernel
 call per layer attends every decode token and every token of the prefills up to
 `_KERNEL_MAX_PREFILL_LEN` long, each token as one query row reading its
 sequence's blocks in place through the block table (K once, V once, an exact
@@ -23,6 +23,10 @@ Measured on the 2-core Xeon here:
     1877 ms, a mix of 16-500 tokens 2300 -> 1842 ms (medians of 8, alternating).
 (An earlier C trial gained only 1.2-1.6x on decode: a straightforward loop spends
 its time in per-token horizontal sums and scalar exp; see the C file.)
+bf16 (K/V cache in bf16, fp32 arithmetic inside): on an EPYC with avx512_bf16
+(no AMX), one layer of the batch-64 decode above at context 257, 1 thread,
+medians of 15 alternating: bf16 kernel 2.6 ms, fp32 kernel 4.3, bf16 torch path
+6.3 (it was the only bf16 path before). Prefill limit: `_KERNEL_MAX_PREFILL_LEN_BF16`.
 
 Prefill sequences otherwise (longer, other dtypes or devices, `cpu_kernel=False`,
 no compiler), one SDPA call each:
@@ -77,8 +81,20 @@ from pagedserve.common.core.attention.base import AttentionMetadata, write_kv
 
 # Upper bound on one decode chunk's gathered K (the same again for V).
 _CHUNK_BYTES = 3 << 20
-# Prefill sequences up to this length go through the C kernel, longer ones SDPA.
+# Prefill sequences up to this length go through the C kernel, longer ones SDPA
+# (fp32: measured on a Xeon, see the top).
 _KERNEL_MAX_PREFILL_LEN = 640
+# bf16: the kernel reads half the bytes and SDPA's bf16 path gained nothing over
+# its fp32 one on an EPYC with avx512_bf16 (no AMX), one sequence, 1 thread,
+# kernel vs SDPA, median ms: 256 tokens 1.2 vs 3.5, 512: 7.5 vs 24, 1024: 16 vs
+# 28, 2048 (2 threads) 211 vs 354. Capped at 1024 all the same: on a CPU with
+# AMX, SDPA's GEMMs run on the tile units and long prompts may well be its
+# (not measured).
+_KERNEL_MAX_PREFILL_LEN_BF16 = 1024
+
+
+def _kernel_max_prefill_len(dtype: torch.dtype) -> int:
+    return _KERNEL_MAX_PREFILL_LEN_BF16 if dtype == torch.bfloat16 else _KERNEL_MAX_PREFILL_LEN
 
 
 @dataclass
@@ -127,8 +143,9 @@ class _ThreadState(threading.local):
 class TorchAttentionBackend:
     """Gather-by-block-table + SDPA. Works on any device and dtype torch supports.
 
-    `cpu_kernel`: run fp32 decode on the CPU through the compiled kernel
-    (`cpu_kernel.py`) when it builds here; False keeps every path in torch.
+    `cpu_kernel`: run fp32/bf16 decode and short prefills on the CPU through the
+    compiled kernel (`cpu_kernel.py`) when it builds here; False keeps every path
+    in torch.
     """
 
     name = "torch"
@@ -159,11 +176,12 @@ class TorchAttentionBackend:
         lib = cpu_kernel.load() if self.cpu_kernel else None
         tables = meta.block_tables
         kernel = lib is not None and cpu_kernel.fits(q, k_cache, v_cache, tables, meta.seq_lens)
+        max_prefill = _kernel_max_prefill_len(q.dtype)
         if kernel:  # decode rows and short prefills' rows, in one call
-            row_seq, row_lens = _kernel_rows(plan, meta)
-            cpu_kernel.attend_f32(lib, q, k_cache, v_cache, tables, row_lens, scale, out, row_seq)
+            row_seq, row_lens = _kernel_rows(plan, meta, max_prefill)
+            cpu_kernel.attend(lib, q, k_cache, v_cache, tables, row_lens, scale, out, row_seq)
         for p in plan.prefills:
-            if not kernel or p.seq_len > _KERNEL_MAX_PREFILL_LEN:
+            if not kernel or p.seq_len > max_prefill:
                 out[p.q_start : p.q_start + p.q_len] = _prefill_one(
                     q, k, v, k_cache, v_cache, p, scale
                 )
@@ -234,16 +252,19 @@ class TorchAttentionBackend:
                 out.index_copy_(0, c.rows, o.view(c.n, h, d))
 
 
-def _kernel_rows(plan: _Plan, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def _kernel_rows(
+    plan: _Plan, meta: AttentionMetadata, max_prefill: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(row_seq, row_lens) for the C kernel, once per step: token row t of sequence
-    i at position p attends p + 1 tokens (a decode token: all seq_len of them)."""
+    i at position p attends p + 1 tokens (a decode token: all seq_len of them);
+    prefills longer than `max_prefill` get 0 (left to SDPA)."""
     if plan.kernel_rows is None:
         q_lens = torch.tensor(meta.query_lens_cpu)
         seq_lens = torch.tensor(meta.seq_lens_cpu)
         row_seq = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [T]
         first = torch.cumsum(q_lens, 0) - q_lens  # each sequence's first row
         row_lens = (seq_lens - q_lens)[row_seq] + torch.arange(len(row_seq)) - first[row_seq] + 1
-        too_long = seq_lens > _KERNEL_MAX_PREFILL_LEN
+        too_long = seq_lens > max_prefill
         too_long[meta.num_prefills :] = False
         row_lens[too_long[row_seq]] = 0  # left to SDPA
         plan.kernel_rows = (row_seq.to(torch.int32), row_lens.to(torch.int32))

@@ -7,7 +7,11 @@ The default model's KV layout (SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64,
 goes from randomly placed blocks of one cache into randomly placed blocks of another
 (`CacheSink`), checksums on, 1 MiB chunks. Measured in one run:
 
-- memcpy:   `clone()` of a contiguous tensor of the same bytes (the baseline for shm).
+- memcpy:   `copy_` of a contiguous tensor of the same bytes into a buffer allocated
+            and faulted in before timing (the baseline for shm). Not `clone()`: that
+            allocates and page-faults its destination on every call (1.6 GB/s at 45 MiB
+            against 7-11 GB/s for a copy into a ready buffer here), which flattered
+            every ratio against it (NOTES.md, 2026-12-01).
 - shm:      export (gather into a pooled /dev/shm segment + checksums) + pull (map,
             verify, scatter into the destination cache) + release, all in this process.
             The columns `export` and `pull` split it; `pull/mem` is the decode side's
@@ -165,7 +169,8 @@ def measure(tokens: int, repeats: int, chunk_bytes: int, checksum: str, channel)
     nbytes = NUM_LAYERS * 2 * n * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
     flat = src[:, :, :n].contiguous()
 
-    t_memcpy = best_time(flat.clone, repeats)
+    ready = torch.empty_like(flat).fill_(0)  # allocated and faulted in before timing
+    t_memcpy = best_time(lambda: ready.copy_(flat), repeats)
 
     # shm: export + pull + release, and each phase on its own.
     shm = ShmTransport()

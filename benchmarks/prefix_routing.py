@@ -173,8 +173,10 @@ def private_redis() -> Iterator[str]:
     )  # fmt: skip
     import redis
 
+    from pagedserve.common.runtime.prefix_index.connection import client_name, connect_redis
+
     url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
+    client = connect_redis(url, name=client_name("bench"))  # the one Redis set-up
     for _ in range(200):
         with contextlib.suppress(redis.ConnectionError):
             if client.ping():

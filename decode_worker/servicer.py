@@ -8,7 +8,7 @@ disaggregation: short prompts, or no prefill worker available).
 
 The pull writes into this engine's blocks from the handler thread, so a cancel,
 deadline or Abort during it must not free them: the engine keeps them pinned until
-the handler commits or cancels the import (engine.reserve_import); the cancel only
+the handler commits or cancels the import (common/core/handoff.py); the cancel only
 aborts the request on the engine thread and stops the pull at the next chunk.
 
 A failed import (checksum mismatch, broken stream, expired lease) is handled by
@@ -26,13 +26,13 @@ import grpc
 import torch
 
 from pagedserve.common.api.sampling_params import InvalidRequestError
-from pagedserve.common.core.engine import ImportPlan
 from pagedserve.common.core.engine_loop import (
     EngineBusy,
     EngineFailure,
     RequestFailed,
     RequestStream,
 )
+from pagedserve.common.core.handoff import HandedOver, HandoffCalls, ImportPlan
 from pagedserve.common.core.scheduler import QueueFullError
 from pagedserve.common.core.sequence import Request
 from pagedserve.common.runtime.protocol import delta_to_pb, logprobs_from_pb, sampling_from_pb
@@ -42,7 +42,7 @@ from pagedserve.kvtransfer.faults import fault_point
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.sinks import CacheSink
 from pagedserve.kvtransfer.wire import ChunkHeader, KVSink, KVTransferError, TransferCancelled
-from pagedserve.v1 import worker_pb2, worker_pb2_grpc
+from pagedserve.v1 import kvtransfer_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.1  # how often a streaming handler checks that its caller is still there
@@ -51,6 +51,7 @@ POLL_S = 0.1  # how often a streaming handler checks that its caller is still th
 class DecodeServicer(worker_pb2_grpc.DecodeServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
+        self.handoff = HandoffCalls(runtime.loop, runtime.config.engine_call_timeout_s)
 
     def Decode(self, request, context):  # noqa: N802 (gRPC method name)
         fault_point("Decode", self.rt.config.worker_id, self.rt.address)  # tests: faults.py
@@ -60,43 +61,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         prompt = list(req.prompt_token_ids)
         salt = req.cache_salt or None
         info = worker_pb2.KVImport(transport="local")
-        added: list[Request | ImportPlan] = []
+        added: list[Request] = []
+        plan: ImportPlan | None = None
         timeout = self.rt.config.engine_call_timeout_s
         try:
             if request.HasField("kv"):
                 kv = request.kv
-                firsts = {i: t.token_id for i, t in enumerate(kv.first_tokens)}
-                lps = {
-                    i: logprobs_from_pb(t.logprobs)
-                    for i, t in enumerate(kv.first_tokens)
-                    if t.HasField("logprobs")
-                }
-                states = {
-                    i: torch.frombuffer(bytearray(t.generator_state), dtype=torch.uint8)
-                    for i, t in enumerate(kv.first_tokens)
-                    if t.generator_state
-                }
-                stream = self.rt.loop.submit(
-                    rid,
-                    lambda e: added.append(
-                        e.reserve_import(
-                            rid,
-                            prompt,
-                            params,
-                            firsts,
-                            first_logprobs=lps,
-                            generator_states=states,
-                            cache_salt=salt,
-                            cached_tokens=kv.cached_tokens,
-                        )
-                    ),
-                    timeout=timeout,
-                    # Gave up waiting: drop the reservation (blocks, pin) on the loop thread.
-                    undo=lambda e: e.cancel_import(rid, recompute=False),
+                stream, plan = self.handoff.reserve_import(
+                    rid, prompt, params, handed_over_from_pb(kv), salt
                 )
             else:
                 if request.HasField("prefix"):
-                    import_prefix(self.rt, rid, request.prefix, prompt, req.cache_salt)
+                    import_prefix(self.rt, self.handoff, rid, request.prefix, prompt, salt)
                 stream = self.rt.loop.submit(
                     rid,
                     lambda e: added.append(
@@ -117,16 +93,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         def on_rpc_end() -> None:
             # On gRPC's thread. The abort itself runs on the engine thread, which owns
             # the blocks; during an import it leaves them pinned until `_import` is done
-            # writing (engine.reserve_import), and `cancelled` stops the pull at the next
+            # writing (handoff.reserve_import), and `cancelled` stops the pull at the next
             # chunk.
             cancelled.set()
             stream.cancel()
 
         if not context.add_callback(on_rpc_end):  # the RPC already ended
             on_rpc_end()
-        if request.HasField("kv"):
-            plan = added[0]
-            assert isinstance(plan, ImportPlan)
+        if plan is not None:
             info = self._import(rid, request, plan, context, cancelled)
             cached = request.kv.cached_tokens
         else:
@@ -144,7 +118,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         kv = request.kv
         bs = self.rt.engine.block_manager.block_size
         info = worker_pb2.KVImport(transport="none", reused_blocks=plan.local_hit_tokens // bs)
-        loop, timeout = self.rt.loop, self.rt.config.engine_call_timeout_s
         try:
             if plan.recompute:
                 info.transport, info.recomputed = "local", True
@@ -161,12 +134,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 )
             except BaseException as exc:
                 if not isinstance(exc, (KVTransferError, ValueError, grpc.RpcError)):
-                    loop.call(lambda e: e.cancel_import(rid, recompute=False), timeout)
+                    self.handoff.cancel_import(rid, recompute=False)
                 raise
             info.transport = result.transport
             info.pulled_blocks = result.num_blocks
             info.pulled_bytes = result.payload_bytes
-            loop.call(lambda e: e.commit_import(rid), timeout)
+            self.handoff.commit_import(rid)
         except (KVTransferError, ValueError, grpc.RpcError) as exc:
             e = f"{type(exc).__name__}: {exc}"
             fail = request.on_transfer_failure == worker_pb2.TRANSFER_FAILURE_POLICY_FAIL or (
@@ -179,7 +152,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 logger.warning(
                     "KV import of %s failed (%s): %s", rid, "fail" if fail else "recompute", e
                 )
-            loop.call(lambda eng: eng.cancel_import(rid, recompute=not fail), timeout)
+            self.handoff.cancel_import(rid, recompute=not fail)
             if fail:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"KV import failed: {e}")
             info.transport, info.recomputed, info.error = "local", True, e
@@ -242,3 +215,16 @@ class StopOnCancel:
     def _check(self) -> None:
         if self.cancelled.is_set():
             raise TransferCancelled("the request ended (cancelled or past its deadline)")
+
+
+def handed_over_from_pb(kv: kvtransfer_pb2.KVHandle) -> HandedOver:
+    """What the prefill role handed over besides the K/V, read off its KVHandle."""
+    firsts = list(enumerate(kv.first_tokens))
+    return HandedOver(
+        first_tokens={i: t.token_id for i, t in firsts},
+        first_logprobs={
+            i: logprobs_from_pb(t.logprobs) for i, t in firsts if t.HasField("logprobs")
+        },
+        generator_states={i: t.generator_state for i, t in firsts if t.generator_state},
+        cached_tokens=kv.cached_tokens,
+    )

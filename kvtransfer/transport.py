@@ -20,8 +20,7 @@ Two implementations:
 Every gRPC pull has a deadline (`GrpcTransport.timeout_s`, the caller's if shorter),
 so a hung exporter cannot hold the puller's thread, and the blocks it writes into,
 forever; channels are kept per exporter address in an LRU `ChannelCache` (workers
-restart on new ports). `LeaseReleaser` sends ReleaseLease the same way: a few shared
-threads, a deadline per call.
+restart on new ports), also by the worker's lease releaser (common/runtime/leases.py).
 `AutoTransport` picks per handle with `choose_transport` (shared memory when both
 sides have the same host id and the exporter staged in /dev/shm, gRPC otherwise, or
 forced by `mode`), and falls back to gRPC when the segment is not visible here.
@@ -35,7 +34,6 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,16 +61,15 @@ from pagedserve.kvtransfer.wire import (
     unframe_kvchunk,
     verify,
 )
-from pagedserve.v1 import kvtransfer_pb2, worker_pb2
+from pagedserve.v1 import kvtransfer_pb2
 
 TransportKind = Literal["shm", "grpc"]
 MODES = ("auto", "shm", "grpc")
 logger = logging.getLogger(__name__)
 # Internal RPCs get bounded deadlines by default, so that a peer that never answers
 # cannot hold a thread (and the blocks it writes into) forever. Workers configure them
-# (WorkerConfig.kv_pull_timeout_s, release_lease_timeout_s).
+# (WorkerConfig.kv_pull_timeout_s).
 DEFAULT_PULL_TIMEOUT_S = 60.0
-DEFAULT_RELEASE_TIMEOUT_S = 5.0
 DEFAULT_MAX_CHANNELS = 32
 
 
@@ -388,77 +385,6 @@ class _Channel:
     channel: grpc.Channel
     users: int = 0
     evicted: bool = False
-
-
-class LeaseReleaser:
-    """Sends ReleaseLease to exporters off the request path, on a few shared threads.
-
-    Best effort (a lease nobody releases expires): every call has a deadline, so a
-    hung exporter costs one thread for `timeout_s` at most, and at most `max_pending`
-    releases wait; beyond that they are dropped (logged) rather than queued without
-    bound. Channels come from an LRU `ChannelCache`.
-    """
-
-    METHOD = "/pagedserve.v1.Prefill/ReleaseLease"
-
-    def __init__(
-        self,
-        *,
-        timeout_s: float = DEFAULT_RELEASE_TIMEOUT_S,
-        max_threads: int = 4,
-        max_pending: int = 1024,
-        max_channels: int = DEFAULT_MAX_CHANNELS,
-    ) -> None:
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.timeout_s = timeout_s
-        self.max_pending = max_pending
-        self.channels = ChannelCache(max_channels)
-        self._executor = ThreadPoolExecutor(max_threads, thread_name_prefix="release-lease")
-        self._pending = 0
-        self._lock = threading.Lock()
-
-    def release(self, address: str, lease_id: str) -> Future[grpc.StatusCode]:
-        """Asks `address` to end `lease_id`; the future holds the call's status code."""
-        with self._lock:
-            if self._pending >= self.max_pending:
-                logger.warning("dropping release of lease %s: too many pending", lease_id)
-                done: Future[grpc.StatusCode] = Future()
-                done.set_result(grpc.StatusCode.RESOURCE_EXHAUSTED)
-                return done
-            self._pending += 1
-        try:
-            return self._executor.submit(self._release, address, lease_id)
-        except RuntimeError:  # closed: the worker is shutting down
-            with self._lock:
-                self._pending -= 1
-            done = Future()
-            done.set_result(grpc.StatusCode.CANCELLED)
-            return done
-
-    def _release(self, address: str, lease_id: str) -> grpc.StatusCode:
-        try:
-            with self.channels.use(address) as channel:
-                call = channel.unary_unary(
-                    self.METHOD,
-                    request_serializer=worker_pb2.ReleaseLeaseRequest.SerializeToString,
-                    response_deserializer=worker_pb2.ReleaseLeaseResponse.FromString,
-                )
-                call(worker_pb2.ReleaseLeaseRequest(lease_id=lease_id), timeout=self.timeout_s)
-            return grpc.StatusCode.OK
-        except grpc.RpcError as e:
-            logger.info("releasing lease %s at %s failed: %s", lease_id, address, e.code())
-            return e.code()
-        except ValueError as e:  # the channel was closed under us (shutdown)
-            logger.info("releasing lease %s at %s failed: %s", lease_id, address, e)
-            return grpc.StatusCode.CANCELLED
-        finally:
-            with self._lock:
-                self._pending -= 1
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self.channels.close()
 
 
 def _rpc_error(e: grpc.RpcError, handle: ExportedKV) -> KVTransferError:

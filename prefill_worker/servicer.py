@@ -19,8 +19,8 @@ import grpc
 
 from pagedserve.common.api.outputs import FinishReason, SampleDelta
 from pagedserve.common.api.sampling_params import InvalidRequestError
-from pagedserve.common.core.engine import LLMEngine
 from pagedserve.common.core.engine_loop import EngineBusy, EngineFailure, RequestFailed
+from pagedserve.common.core.handoff import ExportPlan, HandoffCalls
 from pagedserve.common.core.scheduler import QueueFullError
 from pagedserve.common.core.sequence import Request
 from pagedserve.common.runtime.protocol import logprobs_to_pb, sampling_from_pb
@@ -59,15 +59,17 @@ def wait_first_tokens(stream, context: grpc.ServicerContext) -> dict[int, Sample
 class PrefillServicer(worker_pb2_grpc.PrefillServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
+        self.handoff = HandoffCalls(runtime.loop, runtime.config.engine_call_timeout_s)
 
     def Prefill(self, request, context):  # noqa: N802 (gRPC method name)
         fault_point("Prefill", self.rt.config.worker_id, self.rt.address)  # tests: faults.py
         req = request.request
         rid = req.request_id
         params = sampling_from_pb(req.sampling)
-        timeout = self.rt.config.engine_call_timeout_s
+        prompt = list(req.prompt_token_ids)
+        salt = req.cache_salt or None
         if request.HasField("prefix"):
-            import_prefix(self.rt, rid, request.prefix, list(req.prompt_token_ids), req.cache_salt)
+            import_prefix(self.rt, self.handoff, rid, request.prefix, prompt, salt)
         added: list[Request] = []
         try:
             # A submit that times out is never added, or aborted at once (EngineLoop.call):
@@ -77,13 +79,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                 lambda e: added.append(
                     e.add_request(
                         rid,
-                        prompt_token_ids=list(req.prompt_token_ids),
+                        prompt_token_ids=prompt,
                         params=params,
-                        cache_salt=req.cache_salt or None,
+                        cache_salt=salt,
                         prefill_only=True,
                     )
                 ),
-                timeout=timeout,
+                timeout=self.rt.config.engine_call_timeout_s,
             )
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -91,25 +93,19 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker busy: {e}")
         except QueueFullError as e:  # overloaded, not a bad request: the router goes elsewhere
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        pin = f"{rid}#export"
         try:
             firsts = wait_first_tokens(stream, context)
-            # The export copies the blocks on this thread: pin them, so that an abort
-            # meanwhile cannot hand them to another sequence before the copy is done.
-            held = self.rt.loop.call(
-                lambda e: _held(e, rid, pin), timeout, on_abandon=lambda e, _h: e.unpin(pin)
-            )
+            # The export copies the blocks on this thread: export_begin pins them, so that
+            # an abort meanwhile cannot hand them to another sequence before the copy.
+            plan = self.handoff.export_begin(rid)
             handle = kvtransfer_pb2.KVHandle()
-            if held is not None:
-                table, _hashes, num_tokens, states = held
-                ttl = request.lease_ttl_ms / 1000 if request.HasField("lease_ttl_ms") else None
-                exported = self._export(context, table, num_tokens, rid, ttl)
-                handle = exported.to_proto()
-                handle.block_hashes.extend(_hashes)
-            else:  # every sample ended on its first token: nothing to hand over
-                states = {}
+            states = {}  # every sample ended on its first token: nothing to hand over
+            if plan is not None:
+                handle = self._export(context, plan, rid, request).to_proto()
+                handle.block_hashes.extend(plan.block_hashes)
+                states = plan.generator_states
         finally:  # runs even if we time out waiting (a release is wanted late too)
-            self.rt.loop.call(lambda e: (e.release_held(rid), e.unpin(pin)), timeout)
+            self.handoff.export_end(rid)
         handle.worker_id = self.rt.config.worker_id
         handle.transfer_address = self.rt.address
         handle.cached_tokens = added[0].num_cached_tokens
@@ -134,13 +130,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             self.rt.kv_source.release(lease_id)
             context.abort(grpc.StatusCode.CANCELLED, "the caller left before the KV handle")
 
-    def _export(self, context, table: list[int], num_tokens: int, rid: str, ttl: float | None):
-        """Stage blocks under a new lease; RESOURCE_EXHAUSTED when staging is at its cap."""
+    def _export(self, context, plan: ExportPlan, rid: str, request):
+        """Stage the plan's blocks under a new lease (its TTL from `request`, or the
+        worker's); RESOURCE_EXHAUSTED when staging is at its cap."""
+        ttl = request.lease_ttl_ms / 1000 if request.HasField("lease_ttl_ms") else None
         try:
             return self.rt.kv_source.export(
                 self.rt.engine.kv_cache.kv,
-                table,
-                num_tokens=num_tokens,
+                plan.block_ids,
+                num_tokens=plan.num_tokens,
                 request_id=rid,
                 ttl_s=ttl,
             )
@@ -151,23 +149,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         """Cross-worker reuse: stage the cached blocks of a prefix for another worker."""
         pin = f"export-{uuid.uuid4().hex}"
         salt = request.cache_salt or None
-        timeout = self.rt.config.engine_call_timeout_s
         try:
-            table = self.rt.loop.call(
-                lambda e: e.pin_prefix(pin, list(request.token_ids), salt),
-                timeout,
-                on_abandon=lambda e, _table: e.unpin(pin),
-            )
+            plan = self.handoff.export_prefix_begin(pin, list(request.token_ids), salt)
         except EngineBusy as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"worker busy: {e}")
-        if not table:
+        if plan is None:
             context.abort(grpc.StatusCode.NOT_FOUND, "no block of this prefix is cached here")
         try:
-            ttl = request.lease_ttl_ms / 1000 if request.HasField("lease_ttl_ms") else None
-            bs = self.rt.engine.block_manager.block_size
-            exported = self._export(context, table, len(table) * bs, pin, ttl)
+            exported = self._export(context, plan, pin, request)
         finally:
-            self.rt.loop.call(lambda e: e.unpin(pin), timeout)
+            self.handoff.unpin(pin)
         handle = exported.to_proto()
         handle.worker_id = self.rt.config.worker_id
         handle.transfer_address = self.rt.address
@@ -176,17 +167,3 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
 
     def ReleaseLease(self, request, context):  # noqa: N802
         return worker_pb2.ReleaseLeaseResponse(released=self.rt.kv_source.release(request.lease_id))
-
-
-def _held(engine: LLMEngine, rid: str, pin: str):
-    """(block table, hashes, tokens, generator states) of a held request, its blocks
-    pinned under `pin`; None if nothing is held."""
-    if rid not in engine.held:
-        return None
-    table, hashes, n = engine.pin_held(rid, pin)
-    states = {
-        s.index: bytes(s.generator.get_state().numpy().tobytes())
-        for s in engine.held[rid]
-        if s.generator is not None
-    }
-    return table, hashes, n, states

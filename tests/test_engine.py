@@ -19,6 +19,7 @@ from pagedserve.common.api.outputs import FinishReason
 from pagedserve.common.api.sampling_params import InvalidRequestError, SamplingParams
 from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedserve.common.core.engine import LLMEngine
+from pagedserve.common.core.handoff import HandedOver
 from pagedserve.common.core.llm import LLM
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -285,14 +286,16 @@ def test_prefill_only_then_import_equals_one_engine(hf_refs):
         outs += pre.step()
     (first,) = outs[-1].samples
     assert first.finish_reason is None and len(first.token_ids) == 1
-    table, hashes, n = pre.held_blocks("x")
+    export = pre.handoff.export_begin("x")
+    assert export is not None
+    table, hashes, n = export.block_ids, export.block_hashes, export.num_tokens
     assert n == len(p) and len(table) == 3 and len(hashes) == 2
     data = pre.kv_cache.read_blocks(table)
-    plan = dec.reserve_import("x", p, GREEDY, {0: first.token_ids[0]})
+    plan = dec.handoff.reserve_import("x", p, GREEDY, HandedOver({0: first.token_ids[0]}))
     assert plan.first_block == 0 and len(plan.block_ids) == 3 and not plan.recompute
     dec.kv_cache.write_blocks(plan.block_ids, data)
-    dec.commit_import("x")
-    assert pre.release_held("x") == 1
+    dec.handoff.commit_import("x")
+    assert pre.handoff.export_end("x") == 1
     pre.check_integrity()
     tokens = []  # the decode role reports every token, the imported first one included
     while dec.has_unfinished_requests():
@@ -366,15 +369,14 @@ def test_engine_config_dataclass_path():
 
 
 def _prefill_on(pre: LLMEngine, rid: str, p: list[int], params: SamplingParams):
-    """Runs the prefill role; returns ({index: first token}, {index: generator state})."""
+    """Runs the prefill role; returns ({index: first token}, its export, or None)."""
     pre.add_request(rid, prompt_token_ids=p, params=params, prefill_only=True)
     firsts: dict[int, int] = {}
     while pre.has_unfinished_requests():
         for out in pre.step():
             for d in out.samples:
                 firsts[d.index] = d.token_ids[0]
-    states = {s.index: s.generator.get_state() for s in pre.held.get(rid, []) if s.generator}
-    return firsts, states
+    return firsts, pre.handoff.export_begin(rid)
 
 
 def _drain(eng: LLMEngine) -> dict[int, list[int]]:
@@ -391,12 +393,12 @@ def test_seeded_parallel_samples_continue_exactly_after_import():
     p = prompts(1, seed=15, lo=37, hi=38)[0]
     one = make_llm().generate([p], params)[0]
     pre, dec = make_llm().engine, make_llm().engine
-    firsts, states = _prefill_on(pre, "s", p, params)
-    table, _, _ = pre.held_blocks("s")
-    plan = dec.reserve_import("s", p, params, firsts, generator_states=states)
-    dec.kv_cache.write_blocks(plan.block_ids, pre.kv_cache.read_blocks(table))
-    dec.commit_import("s")
-    pre.release_held("s")
+    firsts, export = _prefill_on(pre, "s", p, params)
+    states = export.generator_states
+    plan = dec.handoff.reserve_import("s", p, params, HandedOver(firsts, generator_states=states))
+    dec.kv_cache.write_blocks(plan.block_ids, pre.kv_cache.read_blocks(export.block_ids))
+    dec.handoff.commit_import("s")
+    pre.handoff.export_end("s")
     got = _drain(dec)
     assert [got[i] for i in range(3)] == [c.token_ids for c in one.completions]
     dec.check_integrity()
@@ -409,17 +411,17 @@ def test_import_reuses_local_prefix_and_first_token_can_finish():
     dec.add_request("warm", prompt_token_ids=p[:32] + [9, 9], params=GREEDY)
     _drain(dec)  # the decode role now caches p's first 2 blocks
     firsts, _ = _prefill_on(pre, "y", p, GREEDY)
-    plan = dec.reserve_import("y", p, GREEDY, firsts)
+    plan = dec.handoff.reserve_import("y", p, GREEDY, HandedOver(firsts))
     assert plan.local_hit_tokens == 32 and plan.first_block == 2 and len(plan.block_ids) == 1
-    dec.cancel_import("y", recompute=True)  # pretend the pull failed: recompute locally
+    dec.handoff.cancel_import("y", recompute=True)  # pretend the pull failed: recompute locally
     got = _drain(dec)[0]
     assert got == make_llm().generate([p], GREEDY)[0].completions[0].token_ids
-    pre.release_held("y")
+    pre.handoff.export_end("y")
     # max_tokens=1: the first token ends the request; nothing is imported or held.
     one = SamplingParams(temperature=0, max_tokens=1)
-    firsts, _ = _prefill_on(pre, "z", p, one)
-    assert "z" not in pre.held
-    plan = dec.reserve_import("z", p, one, firsts)
+    firsts, export = _prefill_on(pre, "z", p, one)
+    assert export is None and "z" not in pre.handoff.held
+    plan = dec.handoff.reserve_import("z", p, one, HandedOver(firsts))
     assert plan.block_ids == [] and not plan.recompute
     out = dec.step()
     assert out[0].finished and out[0].samples[0].finish_reason is FinishReason.LENGTH
@@ -427,3 +429,37 @@ def test_import_reuses_local_prefix_and_first_token_can_finish():
     for eng in (pre, dec):
         eng.check_integrity()
         assert eng.block_manager.usage() == 0.0
+
+
+def test_import_with_a_bad_generator_state_is_refused_before_any_block():
+    dec = make_llm().engine
+    params = SamplingParams(temperature=0.9, n=2, seed=3, max_tokens=4, ignore_eos=True)
+    handed = HandedOver({0: 5, 1: 6}, generator_states={1: b"junk"})
+    with pytest.raises(InvalidRequestError, match="generator state of sample 1"):
+        dec.handoff.reserve_import("g", [7] * 20, params, handed)
+    assert not dec.requests and dec.handoff.is_idle()
+    assert dec.block_manager.usage() == 0.0
+    dec.check_integrity()
+
+
+def test_request_id_is_refused_while_an_aborted_export_still_copies():
+    """A request aborted during its export copy leaves the export pin until the copier
+    ends it: a new request by that id must not be admitted meanwhile (its own export
+    would take, and its end release, the pin the first copy still relies on)."""
+    pre = make_llm().engine
+    p = prompts(1, seed=17, lo=40, hi=41)[0]
+    pre.add_request("A", prompt_token_ids=p, params=GREEDY, prefill_only=True)
+    _drain(pre)
+    export = pre.handoff.export_begin("A")
+    assert export is not None
+    pre.abort_request("A")  # an Abort RPC during the copy: the held sample ends
+    assert not pre.handoff.held and pre.block_manager.usage() > 0  # pinned
+    with pytest.raises(InvalidRequestError, match="'A' is still being exported"):
+        pre.add_request("A", prompt_token_ids=p, params=GREEDY, prefill_only=True)
+    assert pre.handoff.export_end("A") == 0  # the copier is done
+    assert pre.block_manager.usage() == 0.0
+    pre.add_request("A", prompt_token_ids=p, params=GREEDY, prefill_only=True)
+    _drain(pre)
+    assert pre.handoff.export_end("A") == 1
+    pre.check_integrity()
+    assert pre.block_manager.usage() == 0.0

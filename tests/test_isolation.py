@@ -133,7 +133,7 @@ def tokens_of(outs: list[RequestOutput], index: int = 0) -> list[int]:
 
 def assert_pool_clean(engine: LLMEngine) -> None:
     engine.check_integrity()
-    assert not engine.requests and not engine.held
+    assert not engine.requests and not engine.handoff.held
     assert engine.block_manager.usage() == 0.0
     assert engine.block_manager.num_free_blocks() == engine.block_manager.num_blocks
 
@@ -244,8 +244,8 @@ def test_parallel_samples_fail_together_and_prefill_role_frees_held_blocks(llm) 
         )
         assert sorted(d.index for d in outs[rid][-1].samples) == list(range(n))
     assert outs["ok"][-1].error is None and len(tokens_of(outs["ok"])) == 1
-    assert list(engine.held) == ["ok"]  # the healthy prefill-only request is held
-    engine.release_held("ok")
+    assert list(engine.handoff.held) == ["ok"]  # the healthy prefill-only request is held
+    engine.handoff.export_end("ok")
     assert_pool_clean(engine)
 
 

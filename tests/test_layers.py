@@ -32,6 +32,10 @@ def test_the_client_loads_no_torch():
     assert loaded_after("import pagedserve.router.client") == []
 
 
+def test_the_lease_release_call_the_router_shares_loads_no_torch():
+    assert loaded_after("import pagedserve.common.runtime.leases") == []
+
+
 def test_the_router_serving_a_model_loads_no_torch():
     """Importing the router's server and tokenizing a chat request against a real
     (tiny) checkpoint: the tokenizer is the torch-free fast one."""

@@ -32,7 +32,9 @@ from pagedserve.common.api.sampling_params import SamplingParams
 from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedserve.common.core.engine import LLMEngine
 from pagedserve.common.core.engine_loop import EngineBusy, EngineLoop
+from pagedserve.common.core.handoff import HandedOver
 from pagedserve.common.core.llm import LLM
+from pagedserve.common.runtime.leases import LeaseReleaser
 from pagedserve.common.runtime.protocol import sampling_to_pb
 from pagedserve.common.runtime.worker import WorkerConfig, WorkerRuntime
 from pagedserve.kvtransfer.handle import ExportedKV
@@ -42,7 +44,6 @@ from pagedserve.kvtransfer.transport import (
     ChannelCache,
     GrpcTransport,
     KVTransport,
-    LeaseReleaser,
 )
 from pagedserve.kvtransfer.wire import KVTransferError
 from pagedserve.v1 import kvtransfer_pb2, worker_pb2, worker_pb2_grpc
@@ -102,9 +103,7 @@ def wait_clean(*rts: WorkerRuntime) -> None:
         return bool(
             e.block_manager.usage() > 0
             or e.requests
-            or e.held
-            or e.importing
-            or e.pinned
+            or not e.handoff.is_idle()
             or rt.kv_source.open_leases
         )
 
@@ -114,7 +113,8 @@ def wait_clean(*rts: WorkerRuntime) -> None:
     for rt in rts:
         rt.check_integrity()
         e = rt.engine
-        assert (e.requests, e.held, e.importing, e.pinned) == ({}, {}, {}, set())
+        h = e.handoff
+        assert (e.requests, h.held, h.importing, h.pinned) == ({}, {}, {}, set())
         assert e.block_manager.usage() == 0.0
         assert rt.kv_source.open_leases == 0
 
@@ -317,9 +317,9 @@ def test_abort_during_export_never_frees_blocks_being_copied(prefill_worker, ref
             worker_pb2.AbortRequest(request_id="A"), timeout=10
         )
         deadline = time.monotonic() + 10
-        while pre.engine.held and time.monotonic() < deadline:
+        while pre.engine.handoff.held and time.monotonic() < deadline:
             time.sleep(0.02)  # the abort ran on the engine thread
-        assert not pre.engine.held
+        assert not pre.engine.handoff.held
         c_tokens, _ = decode(
             pre, worker_pb2.DecodeRequest(request=tokenized("C", c_prompt, greedy(4)))
         )
@@ -400,7 +400,9 @@ def blocked(loop: EngineLoop) -> Iterator[None]:
 def assert_engine_clean(loop: EngineLoop) -> None:
     e = loop.engine
     loop.call(lambda eng: eng.check_integrity())
-    state = loop.call(lambda eng: (eng.requests, eng.held, eng.importing, eng.pinned))
+    state = loop.call(
+        lambda eng: (eng.requests, eng.handoff.held, eng.handoff.importing, eng.handoff.pinned)
+    )
     assert state == ({}, {}, {}, set())
     assert loop.call(lambda eng: eng.block_manager.usage()) == 0.0
     assert not loop._streams
@@ -412,9 +414,9 @@ def test_call_abandoned_before_it_runs_never_runs(engine):
     with loop_of(engine) as loop:
         with blocked(loop), pytest.raises(EngineBusy, match="did not run the command"):
             loop.call(
-                lambda e: ran.append(e.reserve_prefix_import("p", prompt(1, 40), None)),
+                lambda e: ran.append(e.handoff.reserve_prefix_import("p", prompt(1, 40), None)),
                 timeout=0.1,
-                on_abandon=lambda e, _r: e.unpin("p"),
+                on_abandon=lambda e, _r: e.handoff.unpin("p"),
             )
         assert_engine_clean(loop)
     assert ran == []
@@ -426,14 +428,14 @@ def test_call_abandoned_while_running_is_undone(engine):
     undone = []
 
     def slow_reserve(e: LLMEngine):
-        plan = e.reserve_prefix_import("p", prompt(2, 40), None)
+        plan = e.handoff.reserve_prefix_import("p", prompt(2, 40), None)
         taken.set()
         go.wait(30)
         return plan
 
     def undo(e: LLMEngine, plan) -> None:
         undone.append(plan)
-        e.unpin("p")
+        e.handoff.unpin("p")
 
     with loop_of(engine) as loop:
         threading.Timer(0.3, go.set).start()
@@ -461,10 +463,10 @@ def test_submit_abandoned_leaves_no_request(engine, kind, when):
         "prefill": lambda e: e.add_request(
             "r", prompt_token_ids=p, params=greedy(4), prefill_only=True
         ),
-        "import": lambda e: e.reserve_import("r", p, greedy(4), {0: 5}),
+        "import": lambda e: e.handoff.reserve_import("r", p, greedy(4), HandedOver({0: 5})),
         "plain": lambda e: e.add_request("r", prompt_token_ids=p, params=greedy(4)),
     }
-    undo = (lambda e: e.cancel_import("r", recompute=False)) if kind == "import" else None
+    undo = (lambda e: e.handoff.cancel_import("r", recompute=False)) if kind == "import" else None
 
     def add(e: LLMEngine) -> None:
         adds[kind](e)
@@ -536,6 +538,22 @@ def test_rpcs_that_time_out_on_a_busy_loop_leave_nothing(impatient, prefill_work
     wait_clean(rt, pre)
 
 
+def test_import_with_a_corrupt_generator_state_is_invalid_argument(prefill_worker):
+    """A KV handle whose seeded generator state is not one (a bad internal message):
+    the Decode ends with INVALID_ARGUMENT naming it, nothing is held and the
+    exporter's lease is released at once (not left to its TTL)."""
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=4, ignore_eos=True)
+    p = prompt(41, 40)
+    kv = export(prefill_worker, "gs", p, seeded)
+    assert kv.first_tokens[0].generator_state and prefill_worker.kv_source.open_leases == 1
+    kv.first_tokens[0].generator_state = b"not a generator state"
+    with pytest.raises(grpc.RpcError) as err:
+        decode(prefill_worker, worker_pb2.DecodeRequest(request=tokenized("gs", p, seeded), kv=kv))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "generator state of sample 0" in err.value.details()
+    wait_clean(prefill_worker)
+
+
 # -- 3. KV staging is capped ------------------------------------------------------------
 
 
@@ -548,7 +566,7 @@ def test_export_past_the_lease_cap_is_resource_exhausted(prefill_worker):
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "1 leases open, at most 1" in err.value.details()
         assert rt.kv_source.refused_total == 1
-        assert rt.engine.held == {}  # the refused request's blocks went back
+        assert rt.engine.handoff.held == {}  # the refused request's blocks went back
         prefill_stub(rt).ReleaseLease(worker_pb2.ReleaseLeaseRequest(lease_id=first.lease_id))
         export(rt, "cap-3", prompt(33, 40), greedy(4))  # room again
         for lease in list(rt.kv_source._leases):
@@ -671,7 +689,7 @@ def test_pull_from_a_hung_peer_ends_at_the_transport_deadline(hung_peer, prefill
 
 def test_release_to_a_hung_peer_ends_at_its_deadline_on_bounded_threads(hung_peer):
     before = set(threading.enumerate())
-    releaser = LeaseReleaser(timeout_s=0.3, max_threads=2)
+    releaser = LeaseReleaser(ChannelCache(), timeout_s=0.3, max_threads=2)
     try:
         done = [releaser.release(hung_peer.address, f"lease-{i}") for i in range(6)]
         new = set(threading.enumerate()) - before

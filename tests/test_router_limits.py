@@ -353,14 +353,14 @@ def fill(rt: WorkerRuntime) -> None:
             "hold", prompt_token_ids=ids(1, 200), params=hold, prefill_only=True
         )
     )
-    wait_for(lambda: rt.loop.call(lambda e: "hold" in e.held), what="the held request")
+    wait_for(lambda: rt.loop.call(lambda e: "hold" in e.handoff.held), what="the held request")
     rt.loop.call(
         lambda e: e.add_request("waiter", prompt_token_ids=ids(2, 100), params=SamplingParams())
     )
 
 
 def unfill(rt: WorkerRuntime) -> None:
-    rt.loop.call(lambda e: (e.release_held("hold"), e.abort_request("waiter")))
+    rt.loop.call(lambda e: (e.handoff.export_end("hold"), e.abort_request("waiter")))
     quiescent(rt)
 
 

@@ -158,11 +158,29 @@ class _Block:
 
 @dataclass
 class _Seq:
-    token_ids: list[int]  # every token that has a slot
-    block_table: list[int]  # len == ceil(len(token_ids) / block_size)
+    """One sequence's blocks.
+
+    Of its token ids only the tail is kept: the tokens of the blocks not hashed yet
+    (from block len(hashes) on), which `mark_computed` hashes and then drops. A hashed
+    block is known by its chained hash (and a cached one by its own `_Block.token_ids`),
+    so a long sequence costs one partial block of ids here, not a second copy of all
+    of them. (Why not point at the engine's `Sequence.token_ids` instead: pins, forks
+    and swap-ins create block-manager sequences that have no such list, or whose list
+    holds tokens without slots yet; an alias would tie the hashes to another module
+    never mutating or sharing its list wrongly.)
+    """
+
+    num_tokens: int  # tokens that have a slot
+    tail: list[int]  # token ids [len(hashes) * block_size, num_tokens)
+    block_table: list[int]  # len == ceil(num_tokens / block_size)
     num_computed: int  # tokens [0, num_computed) have K/V in the cache
     hashes: list[BlockHash]  # chained hashes of the computed full blocks
     extra: bytes  # extra_key(model_id, cache_salt)
+
+    def chunk(self, i: int, block_size: int) -> tuple[int, ...] | None:
+        """The token ids of block i; None once hashed (only its hash is kept)."""
+        j = i - len(self.hashes)
+        return None if j < 0 else tuple(self.tail[j * block_size : (j + 1) * block_size])
 
 
 class BlockManager:
@@ -216,7 +234,7 @@ class BlockManager:
 
     def num_tokens(self, seq_id: str) -> int:
         """Tokens that have slots."""
-        return len(self._seq(seq_id).token_ids)
+        return self._seq(seq_id).num_tokens
 
     def num_computed_tokens(self, seq_id: str) -> int:
         return self._seq(seq_id).num_computed
@@ -238,10 +256,10 @@ class BlockManager:
     def slot_mapping(self, seq_id: str, start: int, end: int) -> list[int]:
         """Flat slots `block_id * block_size + offset` of positions [start, end)."""
         seq = self._seq(seq_id)
-        if not 0 <= start <= end <= len(seq.token_ids):
+        if not 0 <= start <= end <= seq.num_tokens:
             raise InvalidArgumentError(
                 f"positions [{start}, {end}) out of range for sequence {seq_id!r} "
-                f"with {len(seq.token_ids)} tokens"
+                f"with {seq.num_tokens} tokens"
             )
         bs, table = self.block_size, seq.block_table
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -316,7 +334,9 @@ class BlockManager:
         table = [self._ref_cached(block_id) for block_id, _ in hits]
         table += [self._take_free_block() for _ in range(num_needed - len(hits))]
         num_cached = len(hits) * self.block_size
-        self._seqs[seq_id] = _Seq(tokens, table, num_cached, [h for _, h in hits], extra)
+        hashes = [h for _, h in hits]
+        tail = tokens[num_cached:]
+        self._seqs[seq_id] = _Seq(len(tokens), tail, table, num_cached, hashes, extra)
         self._prefix_query_tokens += len(tokens)
         self._prefix_hit_tokens += num_cached
         return num_cached
@@ -339,27 +359,29 @@ class BlockManager:
             return 0
         n = len(hits) * self.block_size
         table = [self._ref_cached(block_id) for block_id, _ in hits]
-        self._seqs[seq_id] = _Seq(tokens[:n], table, n, [h for _, h in hits], extra)
+        self._seqs[seq_id] = _Seq(n, [], table, n, [h for _, h in hits], extra)
         return n
 
     def mark_computed(self, seq_id: str, num_tokens: int) -> None:
         """Tokens [0, num_tokens) now have K/V; their full blocks enter the prefix cache."""
         seq = self._seq(seq_id)
         _check_non_negative("num_tokens", num_tokens)
-        if not seq.num_computed <= num_tokens <= len(seq.token_ids):
+        if not seq.num_computed <= num_tokens <= seq.num_tokens:
             raise InvalidArgumentError(
                 f"mark_computed({seq_id!r}, {num_tokens}): must lie in "
-                f"[{seq.num_computed} computed, {len(seq.token_ids)} tokens]"
+                f"[{seq.num_computed} computed, {seq.num_tokens} tokens]"
             )
         seq.num_computed = num_tokens
         bs = self.block_size
-        for i in range(len(seq.hashes), num_tokens // bs):
+        first = len(seq.hashes)
+        for i in range(first, num_tokens // bs):
             parent = seq.hashes[-1] if seq.hashes else None
-            chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            chunk = tuple(seq.tail[(i - first) * bs : (i - first + 1) * bs])
             block_hash = hash_block(parent, chunk, seq.extra)
             seq.hashes.append(block_hash)
             if self.enable_prefix_caching:
                 self._cache_block(seq.block_table[i], block_hash, parent, chunk)
+        del seq.tail[: (len(seq.hashes) - first) * bs]  # hashed: the hash stands for them
 
     # ------------------------------------------------------------------ append, fork
 
@@ -396,7 +418,8 @@ class BlockManager:
         if cow:
             copies.append(self._copy_on_write(seq))
         seq.block_table += [self._take_free_block() for _ in range(num_new)]
-        seq.token_ids += tokens
+        seq.tail += tokens
+        seq.num_tokens += len(tokens)
         return copies
 
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -407,7 +430,8 @@ class BlockManager:
         for block_id in parent.block_table:
             self._blocks[block_id].ref_count += 1
         self._seqs[child_id] = _Seq(
-            list(parent.token_ids),
+            parent.num_tokens,
+            list(parent.tail),
             list(parent.block_table),
             parent.num_computed,
             list(parent.hashes),
@@ -475,8 +499,8 @@ class BlockManager:
 
     def _append_plan(self, seq: _Seq, num_tokens: int) -> tuple[int, int]:
         """(copy-on-write blocks 0/1, new blocks) needed to append `num_tokens`."""
-        num_new = self._blocks_for(len(seq.token_ids) + num_tokens) - len(seq.block_table)
-        last_partial = len(seq.token_ids) % self.block_size != 0
+        num_new = self._blocks_for(seq.num_tokens + num_tokens) - len(seq.block_table)
+        last_partial = seq.num_tokens % self.block_size != 0
         shared = self._blocks[seq.block_table[-1]].ref_count > 1
         return int(num_tokens > 0 and last_partial and shared), num_new
 
@@ -603,12 +627,16 @@ class BlockManager:
     def _check_seq(self, seq_id: str, seq: _Seq) -> None:
         bs = self.block_size
         _require(
-            len(seq.block_table) == self._blocks_for(len(seq.token_ids)),
-            f"sequence {seq_id!r}: {len(seq.block_table)} blocks for {len(seq.token_ids)} tokens",
+            len(seq.block_table) == self._blocks_for(seq.num_tokens),
+            f"sequence {seq_id!r}: {len(seq.block_table)} blocks for {seq.num_tokens} tokens",
         )
         _require(
-            0 <= seq.num_computed <= len(seq.token_ids),
-            f"sequence {seq_id!r}: {seq.num_computed} computed > {len(seq.token_ids)} tokens",
+            0 <= seq.num_computed <= seq.num_tokens,
+            f"sequence {seq_id!r}: {seq.num_computed} computed > {seq.num_tokens} tokens",
+        )
+        _require(
+            len(seq.tail) == seq.num_tokens - len(seq.hashes) * bs,
+            f"sequence {seq_id!r}: {len(seq.tail)} tail tokens past {len(seq.hashes)} hashes",
         )
         _require(
             len(seq.hashes) == seq.num_computed // bs,
@@ -616,7 +644,7 @@ class BlockManager:
         )
         for i, block_id in enumerate(seq.block_table):
             block = self._blocks[block_id]
-            chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            chunk = seq.chunk(i, bs)  # None: hashed by this sequence, only the hash is kept
             if block.hash is not None:
                 # A fork sharer may have computed (and cached) a block that this sequence
                 # has not marked computed yet: then only the token ids can be compared.
@@ -624,18 +652,20 @@ class BlockManager:
                     i >= len(seq.hashes) or seq.hashes[i] == block.hash,
                     f"sequence {seq_id!r}: cached block {block_id} at index {i} has another hash",
                 )
-                _require(
-                    block.token_ids == chunk,
-                    f"sequence {seq_id!r}: cached block {block_id} holds other tokens",
-                )
-            if block.ref_count > 1 and len(chunk) < bs:
+                if chunk is None:  # the block's own tokens must give the hash we computed
+                    parent = seq.hashes[i - 1] if i else None
+                    same = hash_block(parent, block.token_ids or (), seq.extra) == seq.hashes[i]
+                else:
+                    same = block.token_ids == chunk
+                _require(same, f"sequence {seq_id!r}: cached block {block_id} holds other tokens")
+            if block.ref_count > 1 and chunk is not None and len(chunk) < bs:
                 # A shared partial block is only ever shared by forks that wrote nothing
                 # since: every sharer must see exactly the same tokens in it.
                 for other_id, other in self._seqs.items():
                     if block_id in other.block_table:
                         j = other.block_table.index(block_id)
                         _require(
-                            j == i and tuple(other.token_ids[j * bs : (j + 1) * bs]) == chunk,
+                            j == i and other.chunk(j, bs) == chunk,
                             f"shared block {block_id} differs between {seq_id!r} and {other_id!r}",
                         )
 

@@ -6,6 +6,10 @@ Every request that ends - finished, aborted, failed - returns every block it
 held in the same call. The engine is single-threaded by design: whoever drives
 it (the offline `LLM`, a worker's loop) calls these methods from one thread.
 
+The prefill/decode hand-off (keeping a prefill-only request's blocks for export,
+importing a prompt's K/V, pinning blocks another thread copies) is `self.handoff`
+(handoff.py): this module only tells it when a sample is held or a request aborted.
+
 Fault isolation: a request can only fail itself. Whatever goes wrong in the per-request
 part of a step - sampling, logprobs, detokenizing, stop-string matching - is charged to
 the request it happened in: that request ends with `RequestOutput.error` set (and
@@ -44,6 +48,7 @@ from pagedserve.common.api.sampling_params import (
 from pagedserve.common.core.block_manager import BlockManager
 from pagedserve.common.core.config import EngineConfig, resolve_dtype
 from pagedserve.common.core.detokenizer import IncrementalDetokenizer
+from pagedserve.common.core.handoff import KVHandoff
 from pagedserve.common.core.kv_cache import KVCache, num_blocks_for_budget
 from pagedserve.common.core.loader import LoadedModel, load_model
 from pagedserve.common.core.model_runner import ModelRunner
@@ -55,21 +60,6 @@ from pagedserve.common.core.sequence import Request, Sequence, SequenceStatus, m
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def import_pin_id(request_id: str) -> str:
-    """The pin holding an imported request's blocks while its K/V is written."""
-    return f"{request_id}#import"
-
-
-@dataclass(frozen=True)
-class ImportPlan:
-    """Where an imported request's prompt K/V must be written (see reserve_import)."""
-
-    block_ids: list[int]  # this engine's blocks to fill, in block-table order
-    first_block: int  # index of block_ids[0] in the prompt's block table
-    local_hit_tokens: int  # prompt tokens found in this engine's own prefix cache
-    recompute: bool  # no room now: the prompt will be prefilled here instead
 
 
 @dataclass(frozen=True)
@@ -162,13 +152,8 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.requests: dict[str, Request] = {}
-        # Prefill role: sequences whose first token is sampled and whose blocks stay
-        # allocated (under a lease held by the worker) until released.
-        self.held: dict[str, list[Sequence]] = {}
-        # Decode role: sequences whose blocks are allocated while their KV is imported.
-        self.importing: dict[str, list[Sequence]] = {}
-        # Sequences that only pin blocks (prefix export / import in progress).
-        self.pinned: set[str] = set()
+        # The prefill/decode KV hand-off (held, importing, pinned; see handoff.py).
+        self.handoff = KVHandoff(self)
         # Requests with news that no step produced (imported first tokens).
         self._touched: dict[str, Request] = {}
         self.last_step_was_empty = False
@@ -207,27 +192,50 @@ class LLMEngine:
         """Validates and queues a request; raises InvalidRequestError before taking any block.
 
         prefill_only: stop after the first token of every sample and keep the blocks
-        (see `held`); the decode role continues the request elsewhere.
+        (`handoff.held`, until `handoff.export_end`); the decode role continues the
+        request elsewhere.
         """
         params = params or SamplingParams()
         if (prompt is None) == (prompt_token_ids is None):
             raise InvalidRequestError("give exactly one of prompt and prompt_token_ids")
         request_id = request_id or uuid.uuid4().hex
-        self._check_new_id(request_id)
         ids = self.tokenize(prompt) if prompt is not None else list(prompt_token_ids or [])
-        self._validate(ids, params)
-        self.scheduler.check_room()  # QueueFullError: refused before anything is held
-        req = Request(request_id, ids, params, cache_salt, prefill_only=prefill_only)
+        req = self._admit(request_id, ids, params, cache_salt, prefill_only=prefill_only)
         seq = self._new_sequence(req, 0, list(ids))
-        self.requests[request_id] = req
+        self._register(req)
         self.scheduler.add(seq)
         return req
 
-    def _check_new_id(self, request_id: str) -> None:
-        if request_id in self.requests or request_id in self.held:
+    def _admit(
+        self,
+        request_id: str,
+        ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        **flags: bool,
+    ) -> Request:
+        """A new Request, validated and with room in the queue, not yet registered: the
+        one admission of `add_request` and `handoff.reserve_import`. Raises
+        InvalidRequestError or QueueFullError before anything is held."""
+        if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        self.handoff.check_new_id(request_id)
+        self._validate(ids, params)
+        self.scheduler.check_room()
+        return Request(request_id, ids, params, cache_salt, **flags)
+
+    def _register(self, req: Request, *, report_now: bool = False) -> None:
+        """The request is in flight; report_now: its news goes out with the next step
+        even if no step computes it (an import's first tokens)."""
+        self.requests[req.request_id] = req
+        if report_now:
+            self._touched[req.request_id] = req
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        """The engine's own door, whoever calls (offline `LLM`, a worker's servicer): the
+        same `common/api` checks the router runs at the client edge. See
+        `pagedserve.common.runtime.servicer_support` for where sampling parameters are
+        trusted and why this one check stays."""
         params.validate(
             vocab_size=self.spec.vocab_size,
             max_n=self.config.limits.max_n,
@@ -255,11 +263,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends a request now; its blocks are back before this returns."""
-        self.release_held(request_id)
-        for seq in self.importing.pop(request_id, []):
-            self.block_manager.free(seq.seq_id)
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = FinishReason.ABORT
+        self.handoff.drop(request_id)
         req = self.requests.get(request_id)
         if req is None:
             return None
@@ -445,7 +449,7 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = FinishReason.ABORT
                 self.scheduler.finish(seq)
-        self.release_held(req.request_id)  # prefill role: samples handed over already
+        self.handoff.release_held(req.request_id)  # prefill role: samples handed over
         req.forked = True  # no fork will happen any more
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprobs | None) -> None:
@@ -471,187 +475,7 @@ class LLMEngine:
         ):
             self._finish(seq, FinishReason.LENGTH)
         elif seq.request.prefill_only:
-            self._hold(seq)
-
-    def _hold(self, seq: Sequence) -> None:
-        """Prefill role: the sample continues elsewhere; keep its blocks until released."""
-        self.scheduler.hold(seq)
-        self.held.setdefault(seq.request.request_id, []).append(seq)
-
-    def release_held(self, request_id: str) -> int:
-        """Frees the blocks a prefill-only request kept; returns how many sequences."""
-        seqs = self.held.pop(request_id, [])
-        for seq in seqs:
-            self.block_manager.free(seq.seq_id)
-        return len(seqs)
-
-    def held_blocks(self, request_id: str) -> tuple[list[int], list[bytes], int]:
-        """(block table, full-block hashes, tokens with K/V) of a held request's prompt."""
-        seq = self.held[request_id][0]
-        n = seq.num_computed_tokens
-        table = self.block_manager.block_table(seq.seq_id)
-        return (
-            table[: -(-n // self.block_manager.block_size)],
-            self.block_manager.seq_block_hashes(seq.seq_id),
-            n,
-        )
-
-    def pin_held(self, request_id: str, pin_id: str) -> tuple[list[int], list[bytes], int]:
-        """held_blocks(request_id), and a pin on those blocks until `unpin(pin_id)`.
-
-        For the exporter, which copies them from another thread: an abort meanwhile
-        (Abort RPC, a failed step) releases the held samples, but the pin keeps the
-        blocks from being reused, and overwritten, until the copy is done.
-        """
-        out = self.held_blocks(request_id)
-        self.block_manager.fork(self.held[request_id][0].seq_id, pin_id)
-        self.pinned.add(pin_id)
-        return out
-
-    # -- the decode role: continue a request whose prompt K/V was computed elsewhere ----
-
-    def reserve_import(
-        self,
-        request_id: str,
-        prompt_token_ids: Seq[int],
-        params: SamplingParams,
-        first_tokens: dict[int, int],
-        *,
-        first_logprobs: dict[int, TokenLogprobs] | None = None,
-        generator_states: dict[int, torch.Tensor] | None = None,
-        cache_salt: str | None = None,
-        cached_tokens: int = 0,
-    ) -> ImportPlan:
-        """Starts a request whose prompt K/V was computed by the prefill role.
-
-        first_tokens maps every sample index to the first token the prefill role
-        sampled; they are reported (and checked for EOS/stop/length) as this engine's
-        own first output. The prompt's blocks are allocated, local prefix hits first;
-        the caller writes the K/V of `plan.block_ids` (the rest of the block table
-        from `plan.first_block` on), then calls `commit_import`, or `cancel_import`.
-        When the pool cannot hold the prompt now, the samples wait to be prefilled
-        here instead (plan.recompute) and nothing needs importing.
-        """
-        self._check_new_id(request_id)
-        ids = list(prompt_token_ids)
-        self._validate(ids, params)
-        self.scheduler.check_room()  # QueueFullError: refused before anything is held
-        if sorted(first_tokens) != list(range(params.n)):
-            raise InvalidRequestError(
-                f"an imported request needs the first token of each of its n={params.n} samples"
-            )
-        req = Request(request_id, ids, params, cache_salt, forked=True)
-        req.num_cached_tokens = cached_tokens
-        seqs = [self._new_sequence(req, i, list(ids)) for i in range(params.n)]
-        for seq in seqs:
-            if generator_states and seq.index in generator_states and seq.generator:
-                seq.generator.set_state(generator_states[seq.index])
-        pin = import_pin_id(request_id)
-        if pin in self.pinned:
-            raise InvalidRequestError(
-                f"request id {request_id!r} is still importing (an earlier request by that "
-                "id was aborted while its KV was being written): retry shortly"
-            )
-        self.requests[request_id] = req
-        self._touched[request_id] = req  # the first tokens go out with the next step
-        bm = self.block_manager
-        if not bm.can_allocate(ids, cache_salt):
-            for seq in seqs:
-                self._append_token(seq, first_tokens[seq.index], None)
-                if not seq.is_finished:
-                    self.scheduler.add(seq)
-            return ImportPlan([], 0, 0, recompute=True)
-        # The blocks are allocated under a pin that only the writer's commit_import or
-        # cancel_import releases, and each sample forks from it. The writer fills them
-        # from another thread: an abort meanwhile (client cancel, deadline, Abort RPC,
-        # a failed step) frees the samples, but the blocks stay pinned until the writer
-        # is done, so they are never handed to another sequence while being written.
-        local = bm.allocate(pin, ids, cache_salt)
-        self.pinned.add(pin)
-        for seq in seqs:
-            bm.fork(pin, seq.seq_id)
-        first = local // bm.block_size
-        plan = ImportPlan(bm.block_table(pin)[first:], first, local, recompute=False)
-        for seq in seqs:  # may finish (and free) samples whose first token ends them
-            lp = (first_logprobs or {}).get(seq.index)
-            self._append_token(seq, first_tokens[seq.index], lp)
-        live = [s for s in seqs if not s.is_finished]
-        if not live:
-            self.unpin(pin)  # nothing will be written
-            return ImportPlan([], 0, local, recompute=False)
-        self.importing[request_id] = live
-        return plan
-
-    def commit_import(self, request_id: str) -> None:
-        """The imported K/V is in place: the samples join the running batch.
-
-        A request aborted during its import has no samples left: its blocks, never
-        marked computed (so never cached), return to the pool with the pin.
-        """
-        seqs = self.importing.pop(request_id, [])
-        for seq in seqs:
-            seq.num_computed_tokens = seq.num_prompt_tokens
-            self.block_manager.mark_computed(seq.seq_id, seq.num_prompt_tokens)
-            self.scheduler.add_running(seq)
-        self.unpin(import_pin_id(request_id))
-
-    # -- cross-worker prefix reuse -------------------------------------------------------
-    #
-    # Exporting side: pin the cached blocks of a prefix while they are copied out.
-    # Importing side: write a prefix's blocks into this engine's prefix cache before
-    # the request that needs them arrives, so its prefill hits them.
-
-    def pin_prefix(self, pin_id: str, token_ids: Seq[int], cache_salt: str | None) -> list[int]:
-        """Pins the longest cached chain of full blocks of token_ids; their block ids."""
-        n = self.block_manager.acquire_cached_prefix(pin_id, token_ids, cache_salt)
-        if not n:
-            return []
-        self.pinned.add(pin_id)
-        return self.block_manager.block_table(pin_id)
-
-    def unpin(self, pin_id: str) -> None:
-        if pin_id in self.pinned:
-            self.pinned.discard(pin_id)
-            self.block_manager.free(pin_id)
-
-    def reserve_prefix_import(
-        self, pin_id: str, prefix_token_ids: Seq[int], cache_salt: str | None
-    ) -> ImportPlan:
-        """Allocates blocks for a prefix's full blocks (local hits first) to import into.
-
-        Then write plan.block_ids and call `commit_prefix_import` (the blocks enter the
-        prefix cache) or `unpin` (nothing is cached). Nothing to import, or no room:
-        an empty plan, no sequence kept.
-        """
-        bs = self.block_manager.block_size
-        ids = list(prefix_token_ids)[: len(prefix_token_ids) // bs * bs]
-        if not ids or not self.block_manager.can_allocate(ids, cache_salt):
-            return ImportPlan([], 0, 0, recompute=True)
-        local = self.block_manager.allocate(pin_id, ids, cache_salt)
-        self.pinned.add(pin_id)
-        first = local // bs
-        return ImportPlan(self.block_manager.block_table(pin_id)[first:], first, local, False)
-
-    def commit_prefix_import(self, pin_id: str) -> None:
-        n = self.block_manager.num_tokens(pin_id)
-        self.block_manager.mark_computed(pin_id, n)
-        self.unpin(pin_id)
-
-    def cancel_import(self, request_id: str, recompute: bool) -> None:
-        """The import failed or was abandoned: recompute the prompt here, or drop the request.
-
-        Also ends the writer's pin (see reserve_import): call it only once nothing
-        writes into the plan's blocks any more.
-        """
-        seqs = self.importing.pop(request_id, [])
-        for seq in seqs:
-            self.block_manager.free(seq.seq_id)
-            if recompute:
-                seq.num_computed_tokens = 0
-                self.scheduler.add(seq)
-        self.unpin(import_pin_id(request_id))
-        if not recompute:
-            self.abort_request(request_id)
+            self.handoff.hold(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Ends one sample; its blocks return even when flushing its text raises."""
@@ -727,5 +551,5 @@ class LLMEngine:
         for seq in self.scheduler.iter_unfinished():
             if seq.status is SequenceStatus.RUNNING:
                 assert self.block_manager.has_seq(seq.seq_id), f"{seq.seq_id} runs without blocks"
-        if not (self.requests or self.held or self.importing or self.pinned):
+        if not self.requests and self.handoff.is_idle():
             assert self.block_manager.usage() == 0.0, "no request in flight, yet blocks in use"

@@ -23,7 +23,9 @@ FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 
 
 def sampling_from_pb(msg: gen_pb.SamplingParams) -> SamplingParams:
-    """Unset optional fields take SamplingParams' defaults (documented in the .proto)."""
+    """Unset optional fields take SamplingParams' defaults (documented in the .proto).
+
+    Converts, does not validate: see `servicer_support` for where requests are checked."""
     d = SamplingParams()
     return SamplingParams(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else d.max_tokens,

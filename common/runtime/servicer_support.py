@@ -4,6 +4,25 @@ blocks from another worker into this one's prefix cache.
 
 Releasing an exporter's lease is `WorkerRuntime.lease_releaser.release` (one path,
 off the request's thread, with a deadline).
+
+Where a request is checked (the trust boundary, decided here for both roles):
+
+- Converted once per hop, in one place: `protocol.sampling_from_pb` (the servicers
+  call nothing else on the sampling message).
+- Validated by one set of rules, `SamplingParams.validate` and `validate_prompt`
+  (common/api), applied at the client edge by the router's frontend with the
+  router's limits: a bad client request is refused there, before any worker.
+- The workers are an internal plane: the servicers check nothing of their own and
+  trust the router for policy. They do not trust it for safety: the engine's one
+  admission (`LLMEngine._admit`, behind `add_request` and
+  `handoff.reserve_import`) applies the same rules against the engine's own model
+  (vocabulary, max_model_len, max_n) before taking a block, and the hand-off checks
+  what only it reads (first tokens, generator states). A message the router did
+  not check (another router version or limits, a direct internal client, a bug)
+  thus ends as INVALID_ARGUMENT for that request alone, never as a crash of the
+  batch (a token id past the vocabulary would fail the forward of every request in
+  it). The cost is a few comparisons per request; the offline `LLM` gets the same
+  guarantee from the same code.
 """
 
 from __future__ import annotations
@@ -14,10 +33,12 @@ import grpc
 
 from pagedserve.common.api.outputs import ErrorKind, RequestError
 from pagedserve.common.core.engine_loop import EngineBusy
+from pagedserve.common.core.handoff import HandoffCalls
 from pagedserve.common.runtime.worker import WorkerRuntime
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.sinks import CacheSink
 from pagedserve.kvtransfer.wire import KVTransferError
+from pagedserve.v1 import kvtransfer_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +54,14 @@ def failure_status(error: RequestError) -> grpc.StatusCode:
     return _FAILURE_STATUS[error.kind]
 
 
-def import_prefix(rt: WorkerRuntime, rid: str, prefix, prompt: list[int], salt: str) -> int:
+def import_prefix(
+    rt: WorkerRuntime,
+    handoff: HandoffCalls,
+    rid: str,
+    prefix: kvtransfer_pb2.KVHandle,
+    prompt: list[int],
+    salt: str | None,
+) -> int:
     """Pulls another worker's blocks of the prompt's prefix into this worker's prefix cache.
 
     Best effort: on any failure the blocks are simply computed here. Returns the
@@ -41,16 +69,10 @@ def import_prefix(rt: WorkerRuntime, rid: str, prefix, prompt: list[int], salt: 
     deadline (kv_pull_timeout_s): a hung exporter cannot hold the pinned blocks.
     """
     pin = f"{rid}#prefix"
-    timeout = rt.config.engine_call_timeout_s
     try:
         handle = ExportedKV.from_proto(prefix, rid)
-        plan = rt.loop.call(
-            lambda e: e.reserve_prefix_import(pin, prompt[: handle.num_tokens], salt or None),
-            timeout,
-            on_abandon=lambda e, _plan: e.unpin(pin),
-        )
-        if not plan.block_ids:
-            rt.loop.call(lambda e: e.unpin(pin), timeout)
+        plan = handoff.reserve_prefix_import(pin, prompt[: handle.num_tokens], salt)
+        if not plan.block_ids:  # nothing to pull, so nothing was pinned
             return 0
         wanted = handle.block_ids[plan.first_block : plan.first_block + len(plan.block_ids)]
         try:
@@ -61,9 +83,9 @@ def import_prefix(rt: WorkerRuntime, rid: str, prefix, prompt: list[int], salt: 
                 timeout=rt.config.kv_pull_timeout_s,
             )
         except BaseException:
-            rt.loop.call(lambda e: e.unpin(pin), timeout)  # nothing is cached
+            handoff.unpin(pin)  # nothing is cached
             raise
-        rt.loop.call(lambda e: e.commit_prefix_import(pin), timeout)
+        handoff.commit_prefix_import(pin)
         return len(plan.block_ids)
     except (KVTransferError, ValueError, grpc.RpcError, EngineBusy) as e:
         logger.warning("prefix pull for %s failed, computing it here: %s", rid, e)

@@ -30,6 +30,7 @@ from pagedserve.common.runtime.grpc_options import (
     HEARTBEAT_CHANNEL_OPTIONS,
     SERVER_OPTIONS,
 )
+from pagedserve.common.runtime.leases import LeaseReleaser
 from pagedserve.common.runtime.prefix_index import IndexPublisher, open_prefix_index
 from pagedserve.common.runtime.prefix_index.faults import Backoff, LogLimiter
 from pagedserve.common.runtime.prefix_index.remote import RemotePrefixIndex
@@ -38,8 +39,8 @@ from pagedserve.kvtransfer.segment import SHM_DIR, free_bytes, remove_stale_segm
 from pagedserve.kvtransfer.source import KVSource, add_kvtransfer_service
 from pagedserve.kvtransfer.transport import (
     AutoTransport,
+    ChannelCache,
     GrpcTransport,
-    LeaseReleaser,
     ShmTransport,
 )
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
@@ -165,7 +166,7 @@ class WorkerRuntime:
             ),
         )
         self.lease_releaser = LeaseReleaser(
-            timeout_s=config.release_lease_timeout_s, max_channels=config.max_peer_channels
+            ChannelCache(config.max_peer_channels), timeout_s=config.release_lease_timeout_s
         )
         worker_pb2_grpc.add_WorkerStatusServicer_to_server(_StatusServicer(self), self.server)
         self.health = health.HealthServicer()

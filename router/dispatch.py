@@ -56,6 +56,7 @@ from typing import Any
 import grpc
 
 from pagedserve.common.api.sampling_params import InvalidRequestError
+from pagedserve.common.runtime.leases import release_lease
 from pagedserve.router.admission import Admission, AdmissionRejected
 from pagedserve.router.channels import WorkerChannels
 from pagedserve.router.config import RouterConfig
@@ -404,9 +405,8 @@ class Dispatcher:
         async def run() -> None:
             try:
                 with self.channels.use(handle.transfer_address) as channel:
-                    resp = await worker_pb2_grpc.PrefillStub(channel).ReleaseLease(
-                        worker_pb2.ReleaseLeaseRequest(lease_id=handle.lease_id),
-                        timeout=self.config.release_lease_timeout_s,
+                    resp = await release_lease(
+                        channel, handle.lease_id, self.config.release_lease_timeout_s
                     )
                 if resp.released:  # False: the worker it was meant for released it already
                     self.counters["leases_released"] += 1

@@ -551,7 +551,7 @@ def test_redis_fault_matrix(redis_cluster, redis_server, injector, llm, case):
     reference tokens, and once Redis is back the index equals the caches again."""
     c = redis_cluster
     assert_clean(c)
-    outages = c.router.call(lambda r: r.counters["index_unavailable"])
+    skipped = c.router.call(lambda r: r.counters["index_skipped"])
     ids = prompt(sum(map(ord, case.fault + case.phase)))
     with Client(c.address) as client:
         gate = injector.pause("Prefill") if case.phase == "prefilling" else None
@@ -567,8 +567,13 @@ def test_redis_fault_matrix(redis_cluster, redis_server, injector, llm, case):
         undo()
     assert call.code == grpc.StatusCode.OK, call.details
     assert call.tokens == reference(llm, ids)
-    if case.phase == "routing" and case.fault != "readonly":  # the lookup met the fault
-        assert c.router.call(lambda r: r.counters["index_unavailable"]) > outages
+    if case.phase == "routing" and case.fault != "readonly":
+        # The lookup met the fault and the request was routed by load alone. Counted
+        # as skipped, whichever way the lookup gave up: the call failed (unavailable),
+        # every lookup thread was still stuck on the hung server (busy), or the index
+        # was backing off after an earlier failure (seen flaky when only
+        # `index_unavailable` was asserted).
+        assert c.router.call(lambda r: r.counters["index_skipped"]) > skipped
     # Every worker still beats: still routable once a heartbeat timeout has passed.
     time.sleep(WORKER_TIMEOUT_S + 0.5)
     assert c.router.live_worker_ids() == sorted(c.workers)

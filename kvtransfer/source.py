@@ -32,6 +32,10 @@ gRPC (`handle.shm_name` is empty), so a full tmpfs never ends in SIGBUS.
 `add_kvtransfer_service(server, source)` registers `pagedserve.v1.KVTransfer` on a
 gRPC server (sync, or grpc.aio with a migration thread pool: the handler is a plain
 generator).
+
+Size: over the ~500-line mark on purpose. A lease's whole life is here: admission
+against the staging caps, staging (shm segment or private memory), expiry, release
+and the PullBlocks servicer that reads it; its locking is only correct seen whole.
 """
 
 from __future__ import annotations

@@ -37,6 +37,11 @@ Decisions:
 - Misuse raises a `BlockManagerError` subclass and leaves the state unchanged.
 
 This module is engine core: standard library only.
+
+Size: over the ~500-line mark on purpose. Allocation, refcounts, copy-on-write, the
+prefix-hash map and the LRU of cached blocks share one set of invariants
+(`check_integrity`), and every verb touches several of them; split apart, each half
+would have to trust the other's bookkeeping. About a third is docstrings and errors.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ token as if nothing happened. A failed batched sampler call is retried one reque
 time (each request's rows, with its seeded generators rewound) to find the culprit. Only
 a fault in the scheduler or the model forward raises out of `step()`, for the caller to
 fail everything in flight.
+
+Size: a little over the ~500-line mark: add / step / abort / stats, plus the
+per-request fault isolation of a step (a failed sample ends only its request), which
+belongs to `step`. The prefill/decode hand-off lives in handoff.py.
 """
 
 from __future__ import annotations

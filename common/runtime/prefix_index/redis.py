@@ -67,6 +67,10 @@ Decisions
 An ACL user for the index needs ``~ps:*`` (or the namespaced pattern) and the
 commands ``+evalsha +eval +script|load +ping +client|setname`` (every connection
 names itself, connection.py) plus those the scripts call (``+@read +@write``).
+
+Size: over the ~500-line mark on purpose. The Lua scripts and the Python that
+calls them are kept side by side: each script's keys and arguments are read next to
+the call that passes them.
 """
 
 from __future__ import annotations

@@ -144,12 +144,10 @@ class PrefixLookup:
         is not asked again before `index_retry_s`). Blocks on the index round trip:
         the router's requests use `match_async`.
         """
-        hashes = self._hashes_to_look_up(prompt_token_ids, cache_salt, hashes)
-        if not hashes:
-            return None if hashes is None else PrefixMatch(self.registry.block_size(), 0, {})
-        index = self.index()
-        if index is None:
-            return None
+        plan = self._lookup_plan(prompt_token_ids, cache_salt, hashes)
+        if not isinstance(plan, tuple):
+            return plan
+        hashes, index = plan
         try:
             counts = index.match(hashes)
         except Exception as e:
@@ -166,12 +164,10 @@ class PrefixLookup:
         """`match`, with a Redis round trip run on the lookup threads, off the event loop."""
         if self.embedded is not None:  # in memory: nothing to wait for
             return self.match(prompt_token_ids, cache_salt, hashes)
-        hashes = self._hashes_to_look_up(prompt_token_ids, cache_salt, hashes)
-        if not hashes:
-            return None if hashes is None else PrefixMatch(self.registry.block_size(), 0, {})
-        index = self.index()
-        if index is None:
-            return None
+        plan = self._lookup_plan(prompt_token_ids, cache_salt, hashes)
+        if not isinstance(plan, tuple):
+            return plan
+        hashes, index = plan
         if self._in_flight >= LOOKUP_THREADS:
             self.counters["index_busy"] += 1
             return None
@@ -198,6 +194,19 @@ class PrefixLookup:
                 index.load_scripts()  # type: ignore[attr-defined]
                 self._scripts_loaded.add(model_id)
         return index.match(hashes)
+
+    def _lookup_plan(
+        self, prompt_token_ids: Sequence[int], cache_salt: str | None, hashes: list[bytes] | None
+    ) -> tuple[list[bytes], PrefixIndex] | PrefixMatch | None:
+        """(chain, index) to look up; or the answer itself when no lookup is due: None (no
+        model yet, backing off, no index) or an empty match (a prompt under one block)."""
+        hashes = self._hashes_to_look_up(prompt_token_ids, cache_salt, hashes)
+        if not hashes:
+            return None if hashes is None else PrefixMatch(self.registry.block_size(), 0, {})
+        index = self.index()
+        if index is None:
+            return None
+        return hashes, index
 
     def _hashes_to_look_up(
         self,

@@ -147,6 +147,18 @@ def test_kernel_refuses_bad_lengths_block_ids_and_sequences(what, lens, table, r
 
 
 @needs_kernel
+def _row_reference(q, kc, vc, table: list[int], n: int, block_size: int = 8):
+    """Attention of one query row [H, D] over the first n tokens of a block table,
+    densely in float64 (GQA: query head h reads KV head h // (H // KVH))."""
+    h, d = q.shape
+    kvh = kc.shape[2]
+    flat = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
+    kk = kc.view(-1, kvh, d)[flat].double().repeat_interleave(h // kvh, dim=1)
+    vv = vc.view(-1, kvh, d)[flat].double().repeat_interleave(h // kvh, dim=1)
+    p = (torch.einsum("hd,nhd->hn", q.double(), kk) * d**-0.5).softmax(-1)
+    return torch.einsum("hn,nhd->hd", p, vv)
+
+
 def test_kernel_rows_pick_their_sequence_and_length_and_skip_zero_lengths():
     """Prefill-style rows: row r of a sequence attends its first r + 1 tokens (the
     causal rule), through a table picked by row_seq; rows of length 0 stay untouched."""
@@ -161,12 +173,8 @@ def test_kernel_rows_pick_their_sequence_and_length_and_skip_zero_lengths():
         if n == 0:
             assert bool((out[r] == 3.0).all())
             continue
-        table = meta.block_tables[seq].tolist()
-        flat = torch.tensor([table[p // 8] * 8 + p % 8 for p in range(n)])
-        kk = kc.view(-1, kvh, d)[flat].double().repeat_interleave(h // kvh, dim=1)
-        vv = vc.view(-1, kvh, d)[flat].double().repeat_interleave(h // kvh, dim=1)
-        p = (torch.einsum("hd,nhd->hn", qr[r].double(), kk) * d**-0.5).softmax(-1)
-        assert _rel(out[r], torch.einsum("hn,nhd->hd", p, vv)) < 1e-6
+        ref = _row_reference(qr[r], kc, vc, meta.block_tables[seq].tolist(), n)
+        assert _rel(out[r], ref) < 1e-6
 
 
 @needs_kernel
@@ -419,12 +427,8 @@ def test_bf16_kernel_prefill_rows_pick_their_sequence_and_length(d):
         if n == 0:
             assert bool((out[r] == 3.0).all())
             continue
-        table = meta.block_tables[seq].tolist()
-        flat = torch.tensor([table[p // 8] * 8 + p % 8 for p in range(n)])
-        kk = kc.view(-1, kvh, d)[flat].double().repeat_interleave(h // kvh, dim=1)
-        vv = vc.view(-1, kvh, d)[flat].double().repeat_interleave(h // kvh, dim=1)
-        p = (torch.einsum("hd,nhd->hn", qr[r].double(), kk) * d**-0.5).softmax(-1)
-        _assert_bf16_close(out[r], torch.einsum("hn,nhd->hd", p, vv), float(vc.abs().max()))
+        ref = _row_reference(qr[r], kc, vc, meta.block_tables[seq].tolist(), n)
+        _assert_bf16_close(out[r], ref, float(vc.abs().max()))
 
 
 @needs_kernel

@@ -76,12 +76,11 @@ bench: venv proto
 	$(PY) -m benchmarks.kv_waste
 	$(PY) -m benchmarks.engine_throughput
 
-# ruff, then the layering contracts of pyproject.toml ([tool.importlinter]); see
-# scripts/lint_imports.py for why lint-imports runs on a symlink view under build/.
+# ruff, then the layering contracts of pyproject.toml ([tool.importlinter]).
 lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) scripts/lint_imports.py
+	$(VENV)/bin/lint-imports
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build/lint
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import threading
 import time
@@ -309,17 +308,12 @@ def report(result: SoakResult, mix: dict[str, int]) -> str:
 
 def machine() -> str:
     """CPU model, core count and the flags that matter for dtype and kernels."""
-    from pagedserve.common.core.config import cpu_flags
+    from benchmarks.attention import cpu_name
+    from pagedserve.common.core.config import cpuinfo_flags
 
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(ln for ln in f if ln.startswith("model name")).split(":", 1)[1].strip()
-    except (OSError, StopIteration):
-        pass
     wanted = ("avx512f", "avx512_bf16", "amx_bf16", "avx2")
-    flags = " ".join(f for f in wanted if f in cpu_flags()) or "none of " + "/".join(wanted)
-    return f"{model}, {os.cpu_count()} cores, flags: {flags}"
+    flags = " ".join(f for f in wanted if f in cpuinfo_flags()) or "none of " + "/".join(wanted)
+    return f"{cpu_name()}, {os.cpu_count()} cores, flags: {flags}"
 
 
 def to_json(result: SoakResult) -> dict:

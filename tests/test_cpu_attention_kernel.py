@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +34,7 @@ from builders import make_metadata, one_torch_thread  # noqa: F401 (autouse fixt
 from pagedserve.common.core.attention import cpu_kernel, torch_backend
 from pagedserve.common.core.attention.base import write_kv
 from pagedserve.common.core.attention.torch_backend import TorchAttentionBackend
+from pagedserve.common.core.config import cpuinfo_flags
 from pagedserve.common.core.model import tune_cpu_malloc
 
 LIB = cpu_kernel.load()
@@ -444,13 +444,6 @@ def test_bf16_mixed_batch_of_prefills_and_decodes_all_in_the_kernel(block_size, 
     _assert_bf16_close(out, ref, 6.0)
 
 
-def _cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 @needs_kernel
 @pytest.mark.parametrize(
     "march",
@@ -462,7 +455,7 @@ def test_bf16_portable_paths_match_dense_reference(march, tmp_path):
     without AVX512_BF16 (two FMAs for the dot product) and no AVX-512 at all."""
     if platform.machine() != "x86_64":
         pytest.skip("x86 flags")
-    if "avx512f" not in _cpu_flags() and "-mno-avx512bf16" in march:
+    if "avx512f" not in cpuinfo_flags() and "-mno-avx512bf16" in march:
         pytest.skip("no AVX-512 here")
     import ctypes
 

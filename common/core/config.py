@@ -122,10 +122,16 @@ BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags ($PAGEDSERVE_CPU_FLAGS when set, else /proc/cpuinfo)."""
+    """The flags dtype resolution sees: $PAGEDSERVE_CPU_FLAGS when set, else the CPU's."""
     forced = os.environ.get(CPU_FLAGS_ENV)
     if forced is not None:
         return frozenset(forced.replace(",", " ").split())
+    return cpuinfo_flags()
+
+
+def cpuinfo_flags() -> frozenset[str]:
+    """This CPU's real feature flags (/proc/cpuinfo's flags or Features line; empty where
+    there is none). What compiled code may use: never overridden by the switch above."""
     try:
         with open("/proc/cpuinfo") as f:
             line = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")

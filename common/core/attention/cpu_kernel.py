@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.common.core.config import cpuinfo_flags
+
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_attention.c")
@@ -71,13 +73,8 @@ def cache_dir() -> Path:
 
 def _cpu_signature() -> str:
     """The CPU's feature flags (the build uses -march=native)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    flags = cpuinfo_flags()
+    return " ".join(sorted(flags)) if flags else platform.processor() or platform.machine()
 
 
 def _build(cc: str, out: Path) -> None:

@@ -294,7 +294,10 @@ def test_status_codes_admission_and_live_workers():
                 with pytest.raises(grpc.RpcError) as err:
                     client.collect(token_ids=PROMPT, **kwargs)
                 assert err.value.code() == code
-            # Hold the only slot (as a running request would): the next one is refused.
+            # The client sees a request's status before the router's handler has run its
+            # finally (which frees the slot): wait for the slots to empty, then hold the
+            # only one (as a running request would): the next request is refused.
+            wait_for(lambda: handle.router.admission.inflight == 0, what="slots freed")
             asyncio.run_coroutine_threadsafe(handle.router.admission.acquire(), handle.loop).result(
                 5
             )

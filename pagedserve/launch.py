@@ -130,8 +130,7 @@ class Cluster:
         if spec.ray_address is None:
             # A private single-machine Ray, bound to loopback (see ENV notes).
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-            ray.init(
-                address="local",
+            init_local_ray(
                 num_cpus=spec.num_cpus,
                 include_dashboard=False,
                 logging_level=logging.WARNING,
@@ -342,6 +341,26 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def init_local_ray(**kwargs: Any) -> Any:
+    """`ray.init(address="local", **kwargs)`, tried a second time if the node's start timed out.
+
+    Ray waits a fixed 30 s for its raylet to register with the GCS (not configurable);
+    on a loaded machine (a CI runner, two cores shared with other jobs) the first start
+    can miss that window and raise "The current node timed out during startup" while a
+    second start succeeds. Any other error, or a second timeout, is raised as is.
+    """
+    import ray
+
+    try:
+        return ray.init(address="local", **kwargs)
+    except Exception as e:  # Ray raises a bare Exception for this one
+        if "timed out during startup" not in str(e):
+            raise
+        logger.warning("Ray's node did not start in time (%s); starting it again", e)
+        ray.shutdown()
+        return ray.init(address="local", **kwargs)
 
 
 def stop_workers(actors: list[Any]) -> None:

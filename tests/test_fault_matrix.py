@@ -631,13 +631,14 @@ def ray_cluster():
     ray = pytest.importorskip("ray")
     import sys
 
+    from pagedserve.launch import init_local_ray
     from pagedserve.worker import DecodeWorkerActor, PrefillWorkerActor
 
     # The functions tests run inside the actors (RayCluster.call) travel by value: the
     # actors cannot import this test module.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     env = {k: v for k, v in os.environ.items() if k.startswith(("HF_", "TRITON", "RAY_", "OMP"))}
-    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
+    init_local_ray(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
     engine = tiny_engine_config()
     config = dataclasses.replace(ROUTER, model=engine.model)
     router = start_router_in_thread(config)

@@ -389,8 +389,9 @@ def ray_cluster() -> Iterator[tuple[str, str]]:
 
     assert not ray.is_initialized()
     namespace = f"lifecycle-{uuid.uuid4().hex[:8]}"
-    ctx = ray.init(
-        address="local",
+    from pagedserve.launch import init_local_ray
+
+    ctx = init_local_ray(
         num_cpus=2,
         include_dashboard=False,
         namespace=namespace,

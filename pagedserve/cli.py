@@ -2,6 +2,8 @@
 
     pagedserve up --prefill 1 --decode 1        # the cluster (see pagedserve/launch.py)
     pagedserve down --ray-address auto          # stop the workers of `up --detach-workers`
+    pagedserve status [--json]                  # pools, workers, load (pagedserve/admin_cli.py)
+    pagedserve scale --prefill 2 --decode 3     # resize a running `up` cluster
     pagedserve generate "The capital of France is" --max-tokens 16 --temperature 0
     pagedserve generate --chat "What is the capital of France?"
     pagedserve chat --system "You are concise."  # interactive; streams tokens as they come
@@ -34,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         from pagedserve import launch
 
         return launch.down_main(argv[1:])
+    if argv and argv[0] in ("status", "scale"):  # the operator's commands (Admin service)
+        from pagedserve import admin_cli
+
+        return admin_cli.main(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     if args.cmd == "generate":
         return generate(args)
@@ -47,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("up", help="start a router and Ray-managed workers (pagedserve up --help)")
     sub.add_parser("down", help="stop the workers of `pagedserve up --detach-workers`")
+    sub.add_parser("status", help="pools, workers, load and KV use (pagedserve status --help)")
+    sub.add_parser("scale", help="resize the pools: pagedserve scale --prefill N --decode M")
     gen = sub.add_parser("generate", help="complete one prompt, streaming the text")
     gen.add_argument("prompt", help="the text to continue (a user message with --chat)")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a chat message")

@@ -54,6 +54,7 @@ from typing import Any
 
 from pagedserve.common.core.config import CacheConfig, EngineConfig, GiB, SchedulerConfig
 from pagedserve.common.runtime.worker import WorkerConfig
+from pagedserve.router.admin import ScaleResult
 
 logger = logging.getLogger("pagedserve.launch")
 ACTOR_PREFIX = "pagedserve-"  # worker actors are named pagedserve-prefill-0, ...
@@ -110,6 +111,8 @@ class Cluster:
         self.prefill: list[Any] = []
         self.decode: list[Any] = []
         self._owns_ray = False
+        self._metrics_offsets: dict[str, int] = {}  # worker id -> its metrics port offset
+        self._pools_lock = threading.Lock()  # scale() and stop() change the pools
 
     # -- bring-up -----------------------------------------------------------------------
 
@@ -178,6 +181,7 @@ class Cluster:
             )
         )
         progress(f"router listening on {self.router.address}")
+        self.router.router.scaler = self.scale  # Admin.Scale: `pagedserve scale`
         if self.router.router.metrics.server is not None:
             progress(
                 f"router metrics on http://{self.router.router.metrics.server.address}/metrics"
@@ -275,19 +279,26 @@ class Cluster:
         return advertised_address(self.router.address, self.spec.router_advertise_host)
 
     def _worker_metrics_port(self, pool: str, index: int) -> int | None:
-        """See ClusterSpec.worker_metrics_port."""
+        """See ClusterSpec.worker_metrics_port. Workers added by `scale` take the next
+        offset no running worker holds (a freed offset is reused)."""
         base = self.spec.worker_metrics_port
         if not base or self.spec.pool_resources:
             return base
-        k = index if pool == "prefill" else self.spec.num_prefill + index
-        return base + k
+        name = f"{pool}-{index}"
+        if name not in self._metrics_offsets:
+            k = index if pool == "prefill" else self.spec.num_prefill + index
+            taken = set(self._metrics_offsets.values())
+            if k in taken:
+                k = next(i for i in range(len(taken) + 1) if i not in taken)
+            self._metrics_offsets[name] = k
+        return base + self._metrics_offsets[name]
 
     def wait_registered(
         self, timeout_s: float = 30.0, interrupted: Callable[[], bool] = lambda: False
     ) -> None:
         """Until the router routes to every worker (its registry saw their heartbeats)."""
-        want = {f"prefill-{i}" for i in range(self.spec.num_prefill)}
-        want |= {f"decode-{i}" for i in range(self.spec.num_decode)}
+        want = {f"prefill-{i}" for i in range(len(self.prefill))}
+        want |= {f"decode-{i}" for i in range(len(self.decode))}
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if want <= set(self.router.live_worker_ids()):
@@ -303,6 +314,68 @@ class Cluster:
     def address(self) -> str:
         return self.router.address
 
+    # -- resizing (Admin.Scale, `pagedserve scale`) --------------------------------------
+
+    def scale(
+        self, prefill: int | None, decode: int | None, drain_timeout_s: float | None = None
+    ) -> ScaleResult:
+        """Resizes the pools to `prefill` / `decode` workers (None: unchanged).
+
+        New workers take the next indices and are waited for until the router routes to
+        them. Leaving workers are the highest-numbered: each drains first (no new
+        requests reach it; it finishes those it holds and its exported KV is pulled,
+        WorkerRuntime.drain), all at once, for at most `drain_timeout_s` (default the
+        shutdown grace), then stops for good. Runs on the thread of whoever calls it
+        (the router's Admin service runs it off its event loop).
+        """
+        import ray
+
+        timeout = self.spec.shutdown_grace_s if drain_timeout_s is None else drain_timeout_s
+        result = ScaleResult()
+        with self._pools_lock:
+            if self.router is None:
+                raise RuntimeError("the cluster is stopping")
+            leaving: list[tuple[str, Any]] = []
+            joining: list[Any] = []
+            for pool, want in (("prefill", prefill), ("decode", decode)):
+                actors = self.prefill if pool == "prefill" else self.decode
+                if want is None:
+                    continue
+                while len(actors) > want:
+                    leaving.append((f"{pool}-{len(actors) - 1}", actors.pop()))
+                while len(actors) < want:
+                    actors.append(self._spawn(pool, len(actors)))
+                    joining.append(actors[-1])
+                    result.started.append(f"{pool}-{len(actors) - 1}")
+            drains = [(wid, a, a.drain_and_stop.remote(timeout)) for wid, a in leaving]
+            for wid, actor, ref in drains:
+                try:
+                    emptied = ray.get(ref, timeout=timeout + 30)
+                except Exception as e:  # dead already, or stuck past its own timeout
+                    logger.warning("worker %s did not drain cleanly: %s", wid, e)
+                    emptied = False
+                ray.kill(actor, no_restart=True)
+                self._metrics_offsets.pop(wid, None)
+                result.stopped.append(wid)
+                if not emptied:
+                    result.cut.append(wid)
+            for actor in joining:  # loading the model: as long as a start may take
+                self._check_attached(ray.get(actor.describe.remote(), timeout=600))
+            if joining:
+                self.wait_registered(timeout_s=180.0 if self.spec.detach_workers else 60.0)
+            self.spec = replace(
+                self.spec, num_prefill=len(self.prefill), num_decode=len(self.decode)
+            )
+            result.prefill, result.decode = len(self.prefill), len(self.decode)
+        logger.info(
+            "scaled to %d prefill + %d decode (started %s, stopped %s)",
+            result.prefill,
+            result.decode,
+            result.started,
+            result.stopped,
+        )
+        return result
+
     # -- tear-down ----------------------------------------------------------------------
 
     def end_grace(self) -> None:
@@ -317,9 +390,14 @@ class Cluster:
         The workers stop while the router still serves, so that their Goodbye reaches
         it (and their Redis tombstone is written) before it goes.
         """
-        import ray
 
         grace = self.spec.shutdown_grace_s if grace_s is None else grace_s
+        with self._pools_lock:
+            self._stop_locked(grace, progress)
+
+    def _stop_locked(self, grace: float, progress) -> None:
+        import ray
+
         if self.router is not None:
             cut = self.router.drain(grace)
             progress(f"router drained ({cut} stream(s) cut at the grace period)")

@@ -83,6 +83,13 @@ class WorkerActor:
     def open_leases(self) -> int:
         return self.runtime.kv_source.open_leases
 
+    def drain_and_stop(self, timeout_s: float) -> bool:
+        """Finishes what this worker holds (at most `timeout_s`), then stops it; True
+        when nothing was cut (WorkerRuntime.drain)."""
+        emptied = self.runtime.drain(timeout_s)
+        self.runtime.stop()
+        return emptied
+
     def stop(self) -> None:
         self.runtime.stop()
 

@@ -228,7 +228,11 @@ class PrefixLookup:
             self.unavailable = False
         bs = self.registry.block_size()
         blocks = {w: n for w, n in counts.items() if n}
-        holders = [(info, n) for w, n in blocks.items() if (info := self.registry.get(w))]
+        holders = [
+            (info, n)
+            for w, n in blocks.items()
+            if (info := self.registry.get(w)) and not info.stats.draining  # leaving: no pulls
+        ]
         holders.sort(key=lambda h: (-h[1], h[0].inflight, h[0].worker_id))
         for worker_id, pending in self._pending.items():
             n = next((i for i, h in enumerate(hashes) if h not in pending), len(hashes))

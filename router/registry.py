@@ -131,10 +131,15 @@ class WorkerRegistry:
         return list(self._workers.values())
 
     def candidates(self, role: str, exclude: Iterable[str] = ()) -> list[WorkerInfo]:
-        """Live workers that can take `role` ("prefill" or "decode"), minus `exclude`."""
+        """Live workers that can take `role` ("prefill" or "decode"), minus `exclude` and
+        minus draining ones (leaving: they finish what they hold, take nothing new)."""
         pools = ROLE_POOLS[role]
         skip = set(exclude)
-        return [w for w in self._workers.values() if w.pool in pools and w.worker_id not in skip]
+        return [
+            w
+            for w in self._workers.values()
+            if w.pool in pools and w.worker_id not in skip and not w.stats.draining
+        ]
 
     def model_id(self) -> str | None:
         """The workers' model identity (their block hashes' model id), once one reported it."""

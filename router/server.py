@@ -41,6 +41,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagedserve.common.runtime.grpc_options import SERVER_OPTIONS, with_option
 from pagedserve.common.runtime.prefix_index.remote import PrefixIndexServicer
+from pagedserve.router.admin import AdminServicer, Scaler
 from pagedserve.router.admission import Admission
 from pagedserve.router.channels import WorkerChannels
 from pagedserve.router.config import RouterConfig
@@ -61,7 +62,14 @@ from pagedserve.router.service import (
     add_generation_service,
 )
 from pagedserve.router.watch import DecodeStreams
-from pagedserve.v1 import generation_pb2, index_pb2, index_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pagedserve.v1 import (
+    admin_pb2_grpc,
+    generation_pb2,
+    index_pb2,
+    index_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 
 __all__ = ["Router", "RouterConfig", "RouterHandle", "serve", "start_router_in_thread"]
 logger = logging.getLogger(__name__)
@@ -105,6 +113,9 @@ class Router:
             self.registry, self.counters, self.heartbeat, config.registry_poll_s
         )
         self.admission = Admission(config.max_inflight, config.max_queued)
+        # Whoever owns the workers and can resize the pools (router/admin.py); `pagedserve
+        # up` sets its launcher's, a router started alone has none.
+        self.scaler: Scaler | None = None
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.address = ""
@@ -150,6 +161,10 @@ class Router:
         return self.drain_state.draining
 
     @property
+    def internal_address(self) -> str:
+        return self.address  # TEMP until the internal listener lands
+
+    @property
     def _channels(self) -> dict[str, grpc.aio.Channel]:
         return self.channels.open
 
@@ -177,6 +192,7 @@ class Router:
         registry = RegistryServicer(self.heartbeat, self.registry.goodbye)
         worker_pb2_grpc.add_RegistryServicer_to_server(registry, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self), server)
         names = [
             generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
             worker_pb2.DESCRIPTOR.services_by_name["Registry"].full_name,

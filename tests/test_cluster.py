@@ -176,3 +176,71 @@ def test_killed_prefill_worker_is_routed_around_and_restarted(cluster, reference
     cluster.wait_registered(timeout_s=30)
     assert "prefill-0" in cluster.router.live_worker_ids()
     wait_quiescent(cluster)
+
+
+def test_scale_up_then_down_while_streams_run(cluster, reference):
+    """`pagedserve scale`: a new decode worker registers and serves; the leaving one
+    drains, so the streams it holds finish (none fails) before it stops."""
+    import io
+    import json
+
+    from pagedserve import admin_cli
+
+    address = cluster.router.router.internal_address
+
+    def cli(cmd: str, *args: str) -> str:
+        out = io.StringIO()
+        assert admin_cli.main(cmd, [*args, "--address", address], out=out) == 0
+        return out.getvalue()
+
+    assert cli("scale", "--decode", "2") == "now 2 prefill + 2 decode worker(s); started decode-1\n"
+    status = json.loads(cli("status", "--json"))
+    assert status["scalable"] is True
+    assert [w["worker_id"] for w in status["workers"]] == [
+        "prefill-0",
+        "prefill-1",
+        "decode-0",
+        "decode-1",
+    ]
+    # Streams long enough to be running on both decode workers when decode-1 leaves.
+    prompts = [prompt(300 + i, 30) for i in range(4)]
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+    started = threading.Barrier(len(prompts) + 1)
+
+    def run(i: int) -> None:
+        try:
+            with Client(cluster.address, timeout=120) as client:
+                out: list[int] = []
+                for n, resp in enumerate(
+                    client.generate(
+                        token_ids=prompts[i], temperature=0.0, max_tokens=200, ignore_eos=True
+                    )
+                ):
+                    out += resp.token_ids
+                    if n == 0:
+                        started.wait(60)
+                results[i] = out
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    started.wait(60)
+    leaving = cluster.decode[1]
+    assert worker_stats(leaving).num_running > 0, "no stream on the leaving worker"
+    summary = cli("scale", "--decode", "1", "--drain-timeout-s", "60")
+    assert summary == "now 2 prefill + 1 decode worker(s); stopped decode-1\n"  # none cut
+    for t in threads:
+        t.join(180)
+    assert not errors
+    assert sorted(results) == list(range(len(prompts)))
+    assert all(len(toks) == 200 for toks in results.values())
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(leaving.pid.remote(), timeout=30)
+    assert sorted(cluster.router.live_worker_ids()) == ["decode-0", "prefill-0", "prefill-1"]
+    with Client(cluster.address, timeout=60) as client:
+        ids = prompt(400)
+        assert tokens_of(client, ids) == reference(ids)
+    wait_quiescent(cluster)

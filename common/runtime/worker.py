@@ -176,6 +176,7 @@ class WorkerRuntime:
         self.loop.step_hooks.append(self.index_sync)
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
+        self.draining = False  # set by drain(): reported in every heartbeat from then on
         # -- Redis worker registry (issue 6): stats also go to Redis when redis_url is set,
         # so that every router replica sees this worker (router/server.py reads them).
         self.registry_publisher = None
@@ -209,6 +210,36 @@ class WorkerRuntime:
             "worker %s (%s) serving on %s", self.config.worker_id, self.config.pool, self.address
         )
         return self
+
+    def drain(self, timeout_s: float) -> bool:
+        """Empties this worker before it leaves (a scale-down); True when it emptied in time.
+
+        From now on its heartbeats say `draining`: the router sends it no new request and
+        pulls no prefix from it, while it finishes what it holds. It is empty once no
+        request runs or waits and no lease is open (its exported KV was pulled). Requests
+        routed just before the router saw the flag may still arrive, so it is not called
+        empty before two heartbeat intervals have passed. Stopping is the caller's
+        (stop(): Goodbye, then the server ends).
+        """
+        self.draining = True
+        t0 = time.monotonic()
+        settle = 2 * self.config.heartbeat_interval_s
+        while True:
+            now = time.monotonic()
+            if now - t0 >= settle and self._empty():
+                return True
+            if now - t0 >= timeout_s:
+                logger.warning(
+                    "worker %s still holds requests after %g s of draining: stopping anyway",
+                    self.config.worker_id,
+                    timeout_s,
+                )
+                return False
+            time.sleep(0.05)
+
+    def _empty(self) -> bool:
+        s = self.engine.stats()
+        return s.num_running == 0 and s.num_waiting == 0 and self.kv_source.open_leases == 0
 
     def stop(self, grace: float = 1.0) -> None:
         self._stop.set()
@@ -265,6 +296,7 @@ class WorkerRuntime:
             num_preemptions=s.num_preemptions,
             prefix_query_tokens=s.prefix_query_tokens,
             prefix_hit_tokens=s.prefix_hit_tokens,
+            draining=self.draining,
         )
 
     def check_integrity(self) -> None:

@@ -10,7 +10,8 @@
 
 `generate` and `chat` talk to a router through the generated gRPC stubs
 (router/client.py); the address is --address, else $PAGEDSERVE_ADDRESS, else
-127.0.0.1:50051 (the router's default port).
+127.0.0.1:50051 (the router's default port); the API key (a router started with
+--api-key or --api-keys-file wants one) is --api-key, else $PAGEDSERVE_API_KEY.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--address", default=os.environ.get("PAGEDSERVE_ADDRESS", DEFAULT_ADDRESS))
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEDSERVE_API_KEY") or None,
+        help="the router's API key (default: $PAGEDSERVE_API_KEY)",
+    )
     p.add_argument("--timeout", type=float, default=None, help="deadline per request, seconds")
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1.0)")
@@ -124,7 +130,7 @@ def generate(args: argparse.Namespace) -> int:
         turns = [{"role": "system", "content": args.system}] if args.system else []
         inputs = {"messages": [*turns, {"role": "user", "content": args.prompt}]}
     stdout, stderr = sys.stdout, sys.stderr
-    with Client(args.address, timeout=args.timeout) as client:
+    with Client(args.address, timeout=args.timeout, api_key=args.api_key) as client:
         try:
             if (args.n or 1) > 1:  # samples arrive interleaved: print each one whole
                 for c in client.collect(**inputs, cache_salt=args.cache_salt, **_sampling(args)):
@@ -158,7 +164,7 @@ def chat(args: argparse.Namespace) -> int:
         print(f"pagedserve chat with {args.address} ({CHAT_COMMANDS})", file=stderr)
     sampling = _sampling(args)
     sampling.pop("n", None)
-    with Client(args.address, timeout=args.timeout) as client:
+    with Client(args.address, timeout=args.timeout, api_key=args.api_key) as client:
         while True:
             if interactive:
                 stdout.write("you> ")
@@ -194,8 +200,8 @@ def chat(args: argparse.Namespace) -> int:
             except grpc.RpcError as e:
                 history.pop()
                 _fail(e, stderr, args.address)
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    return 1
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED):
+                    return 1  # every next turn would fail the same way
                 continue
             stdout.write("\n")
             if args.verbose and last is not None:

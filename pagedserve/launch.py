@@ -542,6 +542,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="exported KV not pulled within this is freed (e.g. its router died)",
     )
     p.add_argument("--log-level", default="WARNING")
+    # issue 11: auth
+    from pagedserve.router.__main__ import add_auth_flags
+
+    add_auth_flags(p)
+    # end issue 11: auth
     return p
 
 
@@ -552,6 +557,12 @@ def main(argv: list[str] | None = None) -> int:
         # Detached workers must outlive this process (so must their Ray cluster) and
         # find the next router where they found this one.
         parser.error("--detach-workers needs --ray-address (a Ray cluster) and a fixed --port")
+    # issue 11: auth (the router's API keys, checked before anything starts; --demo
+    # presents one too)
+    from pagedserve.router.__main__ import auth_options, demo_key
+
+    router_auth = auth_options(args, parser)
+    # end issue 11: auth
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
     progress = _progress_printer()
     from pagedserve.common.api.checkpoint import is_default_model
@@ -589,6 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         detach_workers=args.detach_workers,
         ray_namespace=args.ray_namespace,
         lease_ttl_s=args.lease_ttl_s,
+        router_options=router_auth,  # issue 11: auth
     )
     cluster = Cluster(spec)
     signals = StopSignals()
@@ -597,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         signals.install()  # after ray.init, which installs its own SIGTERM handler
         cluster.start(progress=progress, interrupted=signals.requested)
         if args.demo is not None:
-            return _demo(cluster.address, args.demo, args.max_tokens)
+            return _demo(cluster.address, args.demo, args.max_tokens, demo_key(args))  # issue 11
         print(f"pagedserve serving on {cluster.address}  (Ctrl-C to stop)", flush=True)
         signum = signals.wait(on_again=cluster.end_grace)
         progress(
@@ -696,11 +708,11 @@ def down_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _demo(address: str, message: str, max_tokens: int) -> int:
+def _demo(address: str, message: str, max_tokens: int, api_key: str | None = None) -> int:
     from pagedserve.router.client import Client
 
     print(f"\nuser> {message}\nassistant> ", end="", flush=True)
-    with Client(address) as client:
+    with Client(address, api_key=api_key) as client:
         for resp in client.generate(
             messages=[{"role": "user", "content": message}], max_tokens=max_tokens, temperature=0.0
         ):

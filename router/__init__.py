@@ -19,6 +19,8 @@
   per request; load-only routing while it is unreachable)
 - `cost.py`: transfer vs recompute estimate for cross-worker prefix pulls
 - `admission.py`: bounded in-flight + queued requests
+- `auth.py`: API keys -> tenants (UNAUTHENTICATED first), the tenant's cache salt,
+  per-tenant concurrency limits
 - `client.py`: a small sync client of the public API (used by the CLI)
 
 May import: `pagedserve.common.api`, the torch-free modules of

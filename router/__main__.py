@@ -16,8 +16,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 
+from pagedserve.common.api.limits import ConfigError
+from pagedserve.router.auth import Authenticator, load_keys_file
 from pagedserve.router.config import DEFAULT_PORT, PrefixRouting, RouterConfig
 from pagedserve.router.server import serve
 
@@ -62,11 +65,54 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM/Ctrl-C: seconds the streams in flight get to finish",
     )
     p.add_argument("--log-level", default="INFO")
+    add_auth_flags(p)
     return p
 
 
+# issue 11: auth
+def add_auth_flags(p: argparse.ArgumentParser) -> None:
+    """--api-key / --api-keys-file (router/auth.py), defaulting to their environment
+    variables as `vllm serve --api-key` does to VLLM_API_KEY; shared with `pagedserve up`.
+    Neither = the API is open (any caller, tenant "default")."""
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEDSERVE_API_KEY") or None,
+        help="callers must send 'authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY; "
+        "a flag shows in ps, the variable does not)",
+    )
+    p.add_argument(
+        "--api-keys-file",
+        default=os.environ.get("PAGEDSERVE_API_KEYS_FILE") or None,
+        help="one 'KEY TENANT [MAX_INFLIGHT]' per line (default: $PAGEDSERVE_API_KEYS_FILE)",
+    )
+
+
+def auth_options(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> dict[str, str | None]:
+    """RouterConfig's fields from the flags of add_auth_flags, checked now (a bad keys
+    file is a usage error naming its line, before anything starts)."""
+    try:
+        Authenticator.from_config(args.api_key, args.api_keys_file)
+    except ConfigError as e:
+        parser.error(str(e))
+    return {"api_key": args.api_key, "api_keys_file": args.api_keys_file}
+
+
+def demo_key(args: argparse.Namespace) -> str | None:
+    """A key the launcher's own demo request can present: --api-key, else the keys
+    file's first."""
+    if args.api_key or not args.api_keys_file:
+        return args.api_key
+    return next(iter(load_keys_file(args.api_keys_file)))
+
+
+# end issue 11: auth
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
     config = RouterConfig(
         host=args.host,
@@ -89,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             prefill_tokens_per_s=args.prefill_tokens_per_s,
             transfer_bytes_per_s=args.transfer_bytes_per_s,
         ),
+        **auth_options(args, parser),  # issue 11: auth
     )
     # serve() handles SIGTERM and SIGINT itself (drain, then return).
     with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):

@@ -51,11 +51,19 @@ def explain(e: grpc.RpcError, address: str) -> str:
         if any(s in lower for s in _CONNECT_FAILED):
             return f"cannot reach the router at {address}: is one running? (`pagedserve up`)"
         return f"the connection to the router at {address} failed: retry"
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return (
+            "the router requires an API key: pass --api-key or set PAGEDSERVE_API_KEY"
+            if details.startswith("missing")
+            else "the router did not accept this API key: check --api-key / PAGEDSERVE_API_KEY"
+        )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return "the request's deadline passed before it finished (raise --timeout)"
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         if "larger than max" in lower:
             return "the request is larger than the router accepts: shorten it"
+        if details.startswith("tenant "):
+            return "your API key's concurrency limit is reached: wait for a request to end"
         return "the cluster is at capacity: retry later"
     if code == grpc.StatusCode.INTERNAL and _NAMES_WORKER.search(details):
         return "a worker failed while running the request (named above): retry"
@@ -111,10 +119,14 @@ def build_request(
 
 
 class Client:
-    def __init__(self, address: str, timeout: float | None = None) -> None:
-        """timeout: default deadline of every call in seconds (None = no deadline)."""
+    def __init__(
+        self, address: str, timeout: float | None = None, api_key: str | None = None
+    ) -> None:
+        """timeout: default deadline of every call in seconds (None = no deadline);
+        api_key: sent as `authorization: Bearer <key>` on every call (router/auth.py)."""
         self.address = address
         self.timeout = timeout
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
@@ -140,7 +152,11 @@ class Client:
             cache_salt=cache_salt,
             **sampling,
         )
-        return self.stub.Generate(req, timeout=timeout if timeout is not None else self.timeout)
+        return self.stub.Generate(
+            req,
+            timeout=timeout if timeout is not None else self.timeout,
+            metadata=self.metadata,
+        )
 
     def collect(self, *args: object, **kwargs: object) -> list[Completion]:
         """Runs `generate(...)` to the end; one Completion per sample, by index."""
@@ -166,13 +182,17 @@ class Client:
         return self.collect(*args, **kwargs)[0].text
 
     def model_info(self) -> gen_pb.ModelInfo:
-        return self.stub.GetModelInfo(gen_pb.GetModelInfoRequest(), timeout=self.timeout)
+        return self.stub.GetModelInfo(
+            gen_pb.GetModelInfoRequest(), timeout=self.timeout, metadata=self.metadata
+        )
 
     def health(self, service: str = "") -> int:
         """The HealthCheckResponse status of `service` ("" = the router as a whole)."""
         stub = health_pb2_grpc.HealthStub(self.channel)
         return stub.Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=self.timeout
+            health_pb2.HealthCheckRequest(service=service),
+            timeout=self.timeout,
+            metadata=self.metadata,
         ).status
 
     def close(self) -> None:

@@ -146,6 +146,11 @@ class RouterConfig:
     max_messages: int = 256
     # Threads that tokenize, apply chat templates and hash prompts off the event loop.
     frontend_threads: int = 4
+    # -- API keys (router/auth.py); neither set = the API is open, as before -------------
+    # One key, tenant "default" (`vllm serve --api-key`); repr=False keeps it out of logs.
+    api_key: str | None = field(default=None, repr=False)
+    # Several keys: one `KEY TENANT [MAX_INFLIGHT]` per line (format: router/auth.py).
+    api_keys_file: str | None = None
 
     def __post_init__(self) -> None:
         for name in (

@@ -1,12 +1,16 @@
 """One Generate request's path: checks, admission, route, Prefill, Decode, leases.
 
-Step by step (`Dispatcher.generate`):
+Step by step (`Dispatcher.generate`, for a tenant the Generation servicer has already
+authenticated: router/auth.py, router/service.py):
   1. check fields, sizes and sampling options (ModelFrontend.precheck, on the loop:
      cheap) -> INVALID_ARGUMENT with the engine's message;
-  2. admission control -> RESOURCE_EXHAUSTED at once when running + queued are full;
-     then tokenize / apply the chat template (ModelFrontend.tokenize) on the
-     frontend threads, never on the event loop (a big prompt would stall every
-     stream); only admitted requests tokenize, so that work is bounded too;
+  2. the tenant's concurrency limit (`TenantLimits`), then admission control ->
+     RESOURCE_EXHAUSTED at once when the tenant is at its limit or running + queued
+     are full; both are released however the request ends;
+     then tokenize / apply the chat template (ModelFrontend.tokenize, which also
+     computes the tenant's effective cache salt) on the frontend threads, never on
+     the event loop (a big prompt would stall every stream); only admitted requests
+     tokenize, so that work is bounded too;
   3. route (router/routing.py): hash the prompt, look it up in the prefix index, rank
      the decode workers, and decide whether to disaggregate;
   4. Prefill on the best prefill worker (`_prefill`) when disaggregating. A failed
@@ -58,6 +62,7 @@ import grpc
 from pagedserve.common.api.sampling_params import InvalidRequestError
 from pagedserve.common.runtime.leases import release_lease
 from pagedserve.router.admission import Admission, AdmissionRejected
+from pagedserve.router.auth import Authenticator, Tenant, TenantLimitExceeded, TenantLimits
 from pagedserve.router.channels import WorkerChannels
 from pagedserve.router.config import RouterConfig
 from pagedserve.router.cost import TransferEstimator
@@ -118,6 +123,9 @@ class Dispatcher:
     path); `active_requests` holds the ids in flight or queued (kept unique);
     `route_latencies` gets the seconds from each request's arrival to its routing
     decision (validation, tokenizing, admission, hashing, index lookup, ranking).
+    `auth` is built here from the config's API keys (a bad keys file stops the router
+    from starting) and handed to the Generation servicer, which authenticates;
+    `tenant_limits` counts each tenant's requests against its `max_inflight`.
     """
 
     config: RouterConfig
@@ -135,11 +143,17 @@ class Dispatcher:
     route_latencies: collections.deque[float] = field(
         default_factory=lambda: collections.deque(maxlen=100_000), init=False
     )
+    auth: Authenticator = field(init=False)
+    tenant_limits: TenantLimits = field(default_factory=TenantLimits, init=False)
+
+    def __post_init__(self) -> None:
+        self.auth = Authenticator.from_config(self.config.api_key, self.config.api_keys_file)
 
     async def generate(
         self,
         request: generation_pb2.GenerateRequest | Undecodable,
         context: grpc.aio.ServicerContext,
+        tenant: Tenant,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         self.counters["requests"] += 1
         arrived = time.perf_counter()
@@ -158,17 +172,19 @@ class Dispatcher:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self.active_requests.add(rid)  # queued ones count: ids stay unique
         try:
-            await self.admission.acquire()
-        except AdmissionRejected as e:
+            await self._admit(tenant)
+        except (AdmissionRejected, TenantLimitExceeded) as e:
             self.active_requests.discard(rid)
-            self.counters["rejected"] += 1
+            self.counters["rejected" if isinstance(e, AdmissionRejected) else "tenant_limited"] += 1
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except BaseException:  # cancelled while queued
             self.active_requests.discard(rid)
             raise
         try:
             try:
-                resolved = await self.routing.off_loop(self.frontend.tokenize, request, rid, params)
+                resolved = await self.routing.off_loop(
+                    self.frontend.tokenize, request, rid, params, tenant
+                )
             except InvalidRequestError as e:
                 self.counters["invalid"] += 1
                 raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
@@ -181,6 +197,20 @@ class Dispatcher:
         finally:
             self.active_requests.discard(rid)
             self.admission.release()
+            self.tenant_limits.release(tenant)
+
+    async def _admit(self, tenant: Tenant) -> None:
+        """A place under the tenant's limit, then a router slot (waiting in its queue);
+        raises TenantLimitExceeded or AdmissionRejected, holding neither.
+
+        The tenant's limit comes first, so a tenant at its limit takes no queue place
+        from the others."""
+        self.tenant_limits.acquire(tenant)
+        try:
+            await self.admission.acquire()
+        except BaseException:
+            self.tenant_limits.release(tenant)
+            raise
 
     async def _serve(
         self, r: ResolvedRequest, context: grpc.aio.ServicerContext, arrived: float

@@ -25,6 +25,7 @@ from pagedserve.common.api.sampling_params import (
 )
 from pagedserve.common.api.tokenizer import load_tokenizer
 from pagedserve.common.runtime.protocol import sampling_from_pb
+from pagedserve.router.auth import OPEN_TENANT, Tenant
 from pagedserve.router.config import RouterConfig
 from pagedserve.v1 import generation_pb2 as gen_pb
 from pagedserve.v1 import worker_pb2
@@ -41,7 +42,7 @@ class ResolvedRequest:
     request_id: str
     prompt_token_ids: list[int]
     tokenized: worker_pb2.TokenizedRequest  # what the workers receive
-    cache_salt: str | None
+    cache_salt: str | None  # the effective salt (Tenant.cache_salt), as the workers get it
 
     @property
     def prompt_len(self) -> int:
@@ -102,10 +103,16 @@ class ModelFrontend:
     # `precheck` looks at sizes and fields only, `tokenize` does the rest. Every size
     # is bounded by `precheck` first, so the expensive part is bounded too.
 
-    def resolve(self, request: gen_pb.GenerateRequest) -> ResolvedRequest:
-        """Validates and tokenizes; raises InvalidRequestError naming what is wrong."""
+    def resolve(
+        self, request: gen_pb.GenerateRequest, tenant: Tenant = OPEN_TENANT
+    ) -> ResolvedRequest:
+        """Validates and tokenizes; raises InvalidRequestError naming what is wrong.
+
+        (For tests and previews: the router's Generate path authenticates first and
+        calls precheck and tokenize itself.)
+        """
         rid, params = self.precheck(request)
-        return self.tokenize(request, rid, params)
+        return self.tokenize(request, rid, params, tenant)
 
     def precheck(self, request: gen_pb.GenerateRequest) -> tuple[str, SamplingParams]:
         """Fields, sizes and sampling options, without tokenizing: (request id, params)."""
@@ -165,9 +172,14 @@ class ModelFrontend:
         return max(token_ids, messages, text) + strings + SAMPLING_ALLOWANCE_BYTES
 
     def tokenize(
-        self, request: gen_pb.GenerateRequest, rid: str, params: SamplingParams
+        self, request: gen_pb.GenerateRequest, rid: str, params: SamplingParams, tenant: Tenant
     ) -> ResolvedRequest:
-        """The prompt's token ids, checked against the model; runs off the event loop."""
+        """The prompt's token ids, checked against the model; runs off the event loop.
+
+        The salt every later step uses (routing's block hashes, ExportPrefix, the
+        workers' caches) is the tenant's combined with the client's, computed here once
+        (Tenant.cache_salt): the client's `cache_salt` alone never reaches a worker.
+        """
         ids = self.prompt_ids(request)
         validate_prompt(
             ids,
@@ -175,13 +187,14 @@ class ModelFrontend:
             max_model_len=self.max_model_len,
             max_tokens=params.max_tokens,
         )
+        salt = tenant.cache_salt(request.cache_salt)
         tokenized = worker_pb2.TokenizedRequest(
             request_id=rid,
             prompt_token_ids=ids,
             sampling=request.sampling,
-            cache_salt=request.cache_salt,
+            cache_salt=salt or "",
         )
-        return ResolvedRequest(rid, ids, tokenized, request.cache_salt or None)
+        return ResolvedRequest(rid, ids, tokenized, salt)
 
     def prompt_ids(self, request: gen_pb.GenerateRequest) -> list[int]:
         which = request.WhichOneof("input")

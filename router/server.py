@@ -232,13 +232,15 @@ class Router:
         return self.address
 
     def _generation_servicer(self) -> GenerationServicer:
-        def generate(request, context):
-            return self.metrics.track(self.dispatcher.generate(request, context), context)
+        def generate(request, context, tenant):
+            return self.metrics.track(self.dispatcher.generate(request, context, tenant), context)
 
         def model_info() -> generation_pb2.ModelInfo:
             return self.frontend.model_info(self.registry.block_size())
 
-        return GenerationServicer(generate, model_info, self.drain_state, self.counters)
+        return GenerationServicer(
+            generate, model_info, self.drain_state, self.counters, self.dispatcher.auth
+        )
 
     async def drain(self, grace_s: float) -> int:
         """Stops admitting, lets the streams in flight finish; returns how many were cut.

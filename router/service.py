@@ -5,9 +5,15 @@ INVALID_ARGUMENT, not gRPC's UNKNOWN (`_lenient`); requests larger than the larg
 valid one (ModelFrontend.max_request_bytes) are refused by gRPC itself with
 RESOURCE_EXHAUSTED before they are parsed (router/server.py sets the limit).
 
+Authentication comes first on the public API: both Generation methods map the call's
+`authorization: Bearer <key>` metadata to a tenant (router/auth.py) before anything
+else, and end a call without a valid key UNAUTHENTICATED (counted as
+"unauthenticated"), so such a call costs no tokenizing, admission or model work.
+
 The servicers hold no routing state: Generate runs router/dispatch.py's
-`Dispatcher.generate` under the router's drain (`Drain`: router/server.py `Router.drain`
-sets it), the Registry feeds heartbeats and goodbyes to the worker registry.
+`Dispatcher.generate` for the caller's tenant under the router's drain (`Drain`:
+router/server.py `Router.drain` sets it), the Registry feeds heartbeats and goodbyes
+to the worker registry.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
+from pagedserve.router.auth import Authenticator, AuthError, Tenant
 from pagedserve.router.dispatch import Undecodable
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -32,7 +39,7 @@ T = TypeVar("T")
 SHUTTING_DOWN = "router is shutting down"  # UNAVAILABLE while draining (Router.drain)
 
 GenerateFn = Callable[
-    [generation_pb2.GenerateRequest | Undecodable, grpc.aio.ServicerContext],
+    [generation_pb2.GenerateRequest | Undecodable, grpc.aio.ServicerContext, Tenant],
     AsyncIterator[generation_pb2.GenerateResponse],
 ]
 
@@ -84,8 +91,9 @@ def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    """`generate`: the request's responses (Dispatcher.generate, counted by the metrics);
-    `model_info`: GetModelInfo's answer now; `counters` gets "refused_draining"."""
+    """`generate`: the request's responses for a tenant (Dispatcher.generate, counted by
+    the metrics); `model_info`: GetModelInfo's answer now; `auth`: who may call (an open
+    one lets everybody in); `counters` gets "refused_draining" and "unauthenticated"."""
 
     def __init__(
         self,
@@ -93,13 +101,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         model_info: Callable[[], generation_pb2.ModelInfo],
         drain: Drain,
         counters: collections.Counter[str],
+        auth: Authenticator,
     ) -> None:
         self.generate = generate
         self.model_info = model_info
         self.drain = drain
         self.counters = counters
+        self.auth = auth
+
+    async def authenticate(self, context: grpc.aio.ServicerContext) -> Tenant:
+        """The caller's tenant; a missing or wrong key ends the call UNAUTHENTICATED."""
+        try:
+            return self.auth.authenticate(context.invocation_metadata())
+        except AuthError as e:
+            self.counters["unauthenticated"] += 1
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+            raise  # abort raises; this only keeps a context whose abort returns honest
 
     async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
+        tenant = await self.authenticate(context)  # first: before the request is looked at
         drain = self.drain
         if drain.draining:  # admission is closed: nothing was done, another replica can
             self.counters["refused_draining"] += 1
@@ -107,7 +127,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         task = asyncio.current_task()
         assert task is not None
         drain.streams.add(task)
-        responses = self.generate(request, context)
+        responses = self.generate(request, context, tenant)
         # context.write, not yield: a drain that cancels this task past its grace period
         # interrupts the write here, where it can end the call UNAVAILABLE.
         try:
@@ -122,6 +142,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             drain.streams.discard(task)
 
     async def GetModelInfo(self, request, context):  # noqa: N802
+        await self.authenticate(context)
         return self.model_info()
 
 

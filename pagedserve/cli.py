@@ -21,9 +21,13 @@ import os
 import sys
 from typing import TextIO
 
+from pagedserve import __version__
 from pagedserve.router.config import DEFAULT_PORT
 
 DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_PORT}"
+# One default for `generate`, `chat` and `up --demo` (they had 128, 256 and 64): room
+# for a whole chat answer of a small model, which mostly ends at EOS well before.
+DEFAULT_MAX_TOKENS = 256
 CHAT_COMMANDS = "/exit or /quit to leave, /reset to forget the conversation"
 
 
@@ -51,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("up", help="start a router and Ray-managed workers (pagedserve up --help)")
     sub.add_parser("down", help="stop the workers of `pagedserve up --detach-workers`")
@@ -60,14 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the text to continue (a user message with --chat)")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a chat message")
     gen.add_argument("--system", default=None, help="a system message (with --chat)")
-    _add_common(gen, max_tokens=128)
+    _add_common(gen)
     ch = sub.add_parser("chat", help=f"an interactive chat ({CHAT_COMMANDS})")
     ch.add_argument("--system", default=None, help="the system message")
-    _add_common(ch, max_tokens=256)
+    _add_common(ch)
     return parser
 
 
-def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
+def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=os.environ.get("PAGEDSERVE_ADDRESS", DEFAULT_ADDRESS))
     p.add_argument(
         "--api-key",
@@ -75,7 +80,7 @@ def _add_common(p: argparse.ArgumentParser, max_tokens: int) -> None:
         help="the router's API key (default: $PAGEDSERVE_API_KEY)",
     )
     p.add_argument("--timeout", type=float, default=None, help="deadline per request, seconds")
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1.0)")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)

@@ -50,11 +50,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
-from pagedserve.common.core.config import CacheConfig, EngineConfig, GiB, SchedulerConfig
+from pagedserve import __version__
+from pagedserve.cli import DEFAULT_MAX_TOKENS
+from pagedserve.common.api.limits import ConfigError
+from pagedserve.common.api.settings import LAUNCHER_LINKS, ArgumentParser, Root, Schema
+from pagedserve.common.core.config import EngineConfig
 from pagedserve.common.runtime.worker import WorkerConfig
 from pagedserve.router.admin import ScaleResult
+from pagedserve.router.auth import Authenticator, load_keys_file
+from pagedserve.router.config import DEFAULT_PORT, RouterConfig
 
 logger = logging.getLogger("pagedserve.launch")
 ACTOR_PREFIX = "pagedserve-"  # worker actors are named pagedserve-prefill-0, ...
@@ -62,24 +68,34 @@ ACTOR_PREFIX = "pagedserve-"  # worker actors are named pagedserve-prefill-0, ..
 
 @dataclass
 class ClusterSpec:
+    """What `pagedserve up` starts; its fields are the command's flags (see
+    pagedserve/common/api/settings.py for how a field becomes a flag)."""
+
+    # A local HF checkpoint dir, or an Org/Name id already in the local Hugging Face
+    # cache; None: the default model (SmolLM2-135M-Instruct).
     model: str | None = None
-    num_prefill: int = 1
-    num_decode: int = 1
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    router_host: str = "127.0.0.1"
-    router_port: int = 50051
+    num_prefill: int = 1  # prefill workers
+    num_decode: int = 1  # decode workers
+    engine: EngineConfig = field(default_factory=EngineConfig)  # every worker's engine
+    router_host: str = "127.0.0.1"  # where the router listens
+    router_port: int = DEFAULT_PORT  # the router's public port
     listen_host: str = "127.0.0.1"  # where workers listen; "0.0.0.0" across machines
     ray_address: str | None = None  # None: a private local Ray; "auto": join `ray start`
     num_cpus: int | None = None  # for a private local Ray
     gpus_per_worker: float = 0.0
-    redis_url: str | None = None
-    lease_ttl_s: float = 30.0
-    heartbeat_interval_s: float = 1.0
-    worker_timeout_s: float = 3.0
-    disagg_min_prompt_tokens: int = 0
-    kv_transport: str = "auto"
-    log_level: str = "WARNING"
+    redis_url: str | None = None  # prefix index + worker registry in Redis (else embedded)
+    lease_ttl_s: float = 30.0  # exported KV not pulled within this is freed (its router died)
+    heartbeat_interval_s: float = 1.0  # workers -> router registry
+    worker_timeout_s: float = 3.0  # a worker without a heartbeat this long leaves routing
+    # Prompts whose uncached part is shorter skip the prefill hop (RouterConfig's: one
+    # default; 32 tokens prefill locally faster than a Prefill call plus a KV transfer).
+    disagg_min_prompt_tokens: int = 32
+    kv_transport: Literal["auto", "shm", "grpc"] = "auto"  # how KV moves between workers
+    log_level: str = "WARNING"  # launcher and workers (Ray streams the workers' logs here)
+    # RouterConfig fields beyond the ones above (the router's own flags fill it).
     router_options: dict[str, Any] = field(default_factory=dict)
+    # WorkerConfig fields every worker gets as they are (the workers' own flags fill it).
+    worker_options: dict[str, Any] = field(default_factory=dict)
     # -- lifecycle (see the module docstring) --
     shutdown_grace_s: float = 25.0  # under Kubernetes' default 30 s termination grace
     detach_workers: bool = False  # workers outlive the launcher; attach to running ones
@@ -95,7 +111,8 @@ class ClusterSpec:
     # each has a node of its own (pool_resources), else the k-th worker (prefill first)
     # on P + k, so that workers sharing a machine never collide.
     worker_metrics_port: int | None = None
-    metrics_compat: str | None = None  # "vllm": router and workers also export vllm:* series
+    # "vllm": router and workers also export vllm:* series
+    metrics_compat: Literal["vllm"] | None = None
     # Place each worker on a node that offers one unit of the custom resource
     # "pagedserve_prefill" / "pagedserve_decode" (the KubeRay worker groups and the
     # `ray start --resources` of deploy/README.md do): one worker per pod or machine.
@@ -162,24 +179,12 @@ class Cluster:
         """
         import ray
 
-        from pagedserve.router.server import RouterConfig, start_router_in_thread
+        from pagedserve.router.server import start_router_in_thread
 
         spec = self.spec
         self.start_ray(progress)
         progress("starting the router ...")
-        self.router = start_router_in_thread(
-            RouterConfig(
-                host=spec.router_host,
-                port=spec.router_port,
-                model=spec.model,
-                worker_timeout_s=spec.worker_timeout_s,
-                disagg_min_prompt_tokens=spec.disagg_min_prompt_tokens,
-                redis_url=spec.redis_url,  # None: the router hosts the prefix index
-                metrics_port=spec.router_metrics_port,
-                metrics_compat=spec.metrics_compat,  # type: ignore[arg-type]
-                **spec.router_options,
-            )
-        )
+        self.router = start_router_in_thread(self.router_config())
         progress(f"router listening on {self.router.address}")
         self.router.router.scaler = self.scale  # Admin.Scale: `pagedserve scale`
         if self.router.router.metrics.server is not None:
@@ -216,6 +221,50 @@ class Cluster:
         progress("cluster ready")
         return self
 
+    def router_config(self) -> RouterConfig:
+        """The router's config: the spec's router settings, the engine's limits
+        (settings.LAUNCHER_LINKS), then router_options."""
+        spec = self.spec
+        linked: dict[str, Any] = dict(
+            max_model_len=spec.engine.scheduler.max_model_len,
+            max_n=spec.engine.max_n,
+            max_logprobs=spec.engine.max_logprobs,
+        )
+        return RouterConfig(
+            host=spec.router_host,
+            port=spec.router_port,
+            model=spec.model,
+            worker_timeout_s=spec.worker_timeout_s,
+            disagg_min_prompt_tokens=spec.disagg_min_prompt_tokens,
+            redis_url=spec.redis_url,  # None: the router hosts the prefix index
+            metrics_port=spec.router_metrics_port,
+            metrics_compat=spec.metrics_compat,
+            **{**linked, **spec.router_options},
+        )
+
+    def worker_config(self, pool: str, index: int, router_address: str) -> WorkerConfig:
+        """The config the `index`-th worker of `pool` receives (router_address: the
+        router as the workers dial it)."""
+        spec = self.spec
+        return WorkerConfig(
+            worker_id=f"{pool}-{index}",
+            pool=pool,  # type: ignore[arg-type]
+            engine=replace(spec.engine, model=spec.model),
+            host=spec.listen_host,
+            advertise_host=None if spec.listen_host != "0.0.0.0" else "auto",
+            registry_address=router_address,
+            heartbeat_interval_s=spec.heartbeat_interval_s,
+            lease_ttl_s=spec.lease_ttl_s,
+            kv_transport=spec.kv_transport,
+            # The prefix index: Redis when configured (the workers also register there),
+            # else the router's embedded index, served at the router's address.
+            redis_url=spec.redis_url,
+            index_address=None if spec.redis_url else router_address,
+            metrics_port=self._worker_metrics_port(pool, index),
+            metrics_compat=spec.metrics_compat,
+            **spec.worker_options,
+        )
+
     def _spawn(self, pool: str, index: int) -> Any:
         import ray
 
@@ -223,23 +272,7 @@ class Cluster:
 
         spec = self.spec
         cls = PrefillWorkerActor if pool == "prefill" else DecodeWorkerActor
-        cfg = WorkerConfig(
-            worker_id=f"{pool}-{index}",
-            pool=pool,  # type: ignore[arg-type]
-            engine=replace(spec.engine, model=spec.model),
-            host=spec.listen_host,
-            advertise_host=None if spec.listen_host != "0.0.0.0" else "auto",
-            registry_address=self.router_address_for_workers,
-            heartbeat_interval_s=spec.heartbeat_interval_s,
-            lease_ttl_s=spec.lease_ttl_s,
-            kv_transport=spec.kv_transport,  # type: ignore[arg-type]
-            # The prefix index: Redis when configured (the workers also register there),
-            # else the router's embedded index, served at the router's address.
-            redis_url=spec.redis_url,
-            index_address=None if spec.redis_url else self.router_address_for_workers,
-            metrics_port=self._worker_metrics_port(pool, index),
-            metrics_compat=spec.metrics_compat,  # type: ignore[arg-type]
-        )
+        cfg = self.worker_config(pool, index, self.router_address_for_workers)
         # Detached: the actor outlives this driver, and a running one of that name is
         # attached to (get_if_exists: its constructor does not run again).
         detached = {}
@@ -475,141 +508,85 @@ def _worker_env() -> dict[str, str]:
 # -- the command -----------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedserve up", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--model",
-        default=None,
-        help="a local HF checkpoint dir, or an Org/Name id already in the local Hugging Face cache (default: SmolLM2-135M-Instruct)",
-    )
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="decode workers")
-    p.add_argument("--port", type=int, default=50051, help="router port")
-    p.add_argument("--host", default="127.0.0.1", help="router listen address")
-    p.add_argument("--listen-host", default="127.0.0.1", help="workers' listen address")
-    p.add_argument("--ray-address", default=None, help="join a Ray cluster ('auto' = ray start)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache budget per worker")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--threads-per-worker", type=int, default=None, help="torch threads")
-    p.add_argument("--gpus-per-worker", type=float, default=0.0)
-    p.add_argument("--redis-url", default=None, help="prefix index / registry in Redis")
-    p.add_argument(
-        "--advertise-host", default=None, help="router address the workers dial (default --host)"
-    )
-    p.add_argument(
-        "--metrics-port", type=int, default=None, help="router Prometheus port (0 = any free)"
-    )
-    p.add_argument(
-        "--worker-metrics-port",
-        type=int,
-        default=None,
-        help="workers' Prometheus port: P with --pool-resources, else P + k for the k-th worker",
-    )
-    p.add_argument(
-        "--metrics-compat",
-        choices=["vllm"],
-        default=None,
-        help="router and workers also export vLLM-named series (vllm:*) for the inference "
-        "gateway and vLLM's dashboards",
-    )
-    p.add_argument(
-        "--pool-resources",
-        action="store_true",
-        help="one worker per node offering the pagedserve_prefill/_decode custom resource",
-    )
-    p.add_argument(
-        "--demo", default=None, metavar="MESSAGE", help="answer one chat message, then stop"
-    )
-    p.add_argument("--max-tokens", type=int, default=64, help="for --demo")
-    p.add_argument(
-        "--shutdown-grace-s",
-        type=float,
-        default=ClusterSpec.shutdown_grace_s,
-        help="on SIGTERM/Ctrl-C: seconds the streams in flight get to finish",
-    )
-    p.add_argument(
-        "--detach-workers",
-        action="store_true",
-        help="workers outlive this process (detached Ray actors); reuse running ones on start",
-    )
-    p.add_argument("--ray-namespace", default=ClusterSpec.ray_namespace)
-    p.add_argument(
-        "--lease-ttl-s",
-        type=float,
-        default=ClusterSpec.lease_ttl_s,
-        help="exported KV not pulled within this is freed (e.g. its router died)",
-    )
-    p.add_argument("--log-level", default="WARNING")
-    # issue 11: auth
-    from pagedserve.router.__main__ import add_auth_flags
+@dataclass(frozen=True)
+class LaunchOptions:
+    """`pagedserve up` flags that configure no component."""
 
-    add_auth_flags(p)
-    # end issue 11: auth
-    return p
+    demo: str | None = None  # answer this one chat message, then stop
+    max_tokens: int = DEFAULT_MAX_TOKENS  # for --demo (the same default as `generate`)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def settings_schema() -> Schema:
+    """`pagedserve up`'s settings: ClusterSpec (engine included), the router's and the
+    workers' own settings (common/api/settings.py)."""
+    return Schema(
+        prog="pagedserve up",
+        description=__doc__.split("\n\n")[0],
+        roots=[
+            Root("spec", ClusterSpec),
+            Root("router", RouterConfig, partial=True),
+            Root("worker", WorkerConfig, partial=True),
+            Root("launch", LaunchOptions),
+        ],
+        version=__version__,
+        links=LAUNCHER_LINKS,
+    )
+
+
+def build_parser() -> ArgumentParser:
+    return settings_schema().parser()
+
+
+def parse_spec(argv: list[str] | None = None) -> tuple[ClusterSpec, LaunchOptions]:
+    """The command line (and its --config file) as a ClusterSpec, model unresolved."""
+    schema = settings_schema()
+    parser = schema.parser()
     args = parser.parse_args(argv)
     if args.detach_workers and (args.ray_address is None or args.port == 0):
         # Detached workers must outlive this process (so must their Ray cluster) and
         # find the next router where they found this one.
         parser.error("--detach-workers needs --ray-address (a Ray cluster) and a fixed --port")
-    # issue 11: auth (the router's API keys, checked before anything starts; --demo
-    # presents one too)
-    from pagedserve.router.__main__ import auth_options, demo_key
+    built = schema.build(args, parser)
+    spec = replace(built["spec"], router_options=built["router"], worker_options=built["worker"])
+    try:  # the router's API keys: a bad keys file is a usage error naming its line
+        authenticator(spec)
+    except ConfigError as e:
+        parser.error(str(e))
+    return spec, built["launch"]
 
-    router_auth = auth_options(args, parser)
-    # end issue 11: auth
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
+
+def authenticator(spec: ClusterSpec) -> Authenticator:
+    opts = spec.router_options
+    return Authenticator.from_config(opts.get("api_key"), opts.get("api_keys_file"))
+
+
+def demo_key(spec: ClusterSpec) -> str | None:
+    """A key `--demo`'s request can present: --api-key, else the keys file's first."""
+    key, path = spec.router_options.get("api_key"), spec.router_options.get("api_keys_file")
+    if key or not path:
+        return key
+    return next(iter(load_keys_file(path)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    spec, options = parse_spec(argv)
+    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(name)s: %(message)s")
     progress = _progress_printer()
     from pagedserve.common.api.checkpoint import is_default_model
     from pagedserve.common.core.loader import resolve_model_dir
 
-    if is_default_model(args.model):
+    if is_default_model(spec.model):
         progress("preparing the default model (first run: dequantizing the GGUF, ~30 s) ...")
-    model_dir = resolve_model_dir(args.model, progress=progress)
-    spec = ClusterSpec(
-        model=str(model_dir),
-        num_prefill=args.prefill,
-        num_decode=args.decode,
-        engine=EngineConfig(
-            dtype=args.dtype,
-            device=args.device,
-            cache=CacheConfig(
-                block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gib * GiB)
-            ),
-            scheduler=SchedulerConfig(),
-            num_threads=args.threads_per_worker,
-        ),
-        router_host=args.host,
-        router_port=args.port,
-        listen_host=args.listen_host,
-        ray_address=args.ray_address,
-        gpus_per_worker=args.gpus_per_worker,
-        redis_url=args.redis_url,
-        log_level=args.log_level,
-        router_advertise_host=args.advertise_host,
-        router_metrics_port=args.metrics_port,
-        worker_metrics_port=args.worker_metrics_port,
-        metrics_compat=args.metrics_compat,
-        pool_resources=args.pool_resources,
-        shutdown_grace_s=args.shutdown_grace_s,
-        detach_workers=args.detach_workers,
-        ray_namespace=args.ray_namespace,
-        lease_ttl_s=args.lease_ttl_s,
-        router_options=router_auth,  # issue 11: auth
-    )
+    spec = replace(spec, model=str(resolve_model_dir(spec.model, progress=progress)))
     cluster = Cluster(spec)
     signals = StopSignals()
     try:
         cluster.start_ray(progress)
         signals.install()  # after ray.init, which installs its own SIGTERM handler
         cluster.start(progress=progress, interrupted=signals.requested)
-        if args.demo is not None:
-            return _demo(cluster.address, args.demo, args.max_tokens, demo_key(args))  # issue 11
+        if options.demo is not None:
+            key = demo_key(spec)  # the demo request presents a key too
+            return _demo(cluster.address, options.demo, options.max_tokens, key)
         print(f"pagedserve serving on {cluster.address}  (Ctrl-C to stop)", flush=True)
         signum = signals.wait(on_again=cluster.end_grace)
         progress(

@@ -12,134 +12,66 @@ serves at the address they dial.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import sys
+from dataclasses import dataclass
 
+from jsonargparse import ArgumentParser
+
+from pagedserve import __version__
 from pagedserve.common.api.limits import ConfigError
-from pagedserve.router.auth import Authenticator, load_keys_file
-from pagedserve.router.config import DEFAULT_PORT, PrefixRouting, RouterConfig
+from pagedserve.common.api.settings import Root, Schema
+from pagedserve.router.auth import Authenticator
+from pagedserve.router.config import RouterConfig
 from pagedserve.router.server import serve
 
 
-def build_parser() -> argparse.ArgumentParser:
-    d = RouterConfig()
-    p = argparse.ArgumentParser(prog="python -m pagedserve.router", description=__doc__)
-    p.add_argument("--model", default=None, help="checkpoint dir (default: the default model)")
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-inflight", type=int, default=d.max_inflight)
-    p.add_argument("--max-queued", type=int, default=d.max_queued)
-    p.add_argument("--worker-timeout-s", type=float, default=d.worker_timeout_s)
-    p.add_argument("--disagg-min-prompt-tokens", type=int, default=d.disagg_min_prompt_tokens)
-    p.add_argument("--lease-ttl-ms", type=int, default=None)
-    p.add_argument("--transfer-failure-policy", choices=["recompute", "fail"], default=None)
-    p.add_argument(
-        "--redis-url", default=None, help="shared prefix index + worker registry (else embedded)"
-    )
-    pr = d.prefix
-    p.add_argument(
-        "--no-prefix-routing", action="store_true", help="route by load only (no index lookups)"
-    )
-    p.add_argument("--no-prefix-pull", action="store_true", help="never pull a prefix")
-    p.add_argument("--prefix-load-weight", type=float, default=pr.load_weight)
-    p.add_argument("--prefill-tokens-per-s", type=float, default=pr.prefill_tokens_per_s)
-    p.add_argument("--transfer-bytes-per-s", type=float, default=pr.transfer_bytes_per_s)
-    p.add_argument(
-        "--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 = any free)"
-    )
-    p.add_argument(
-        "--metrics-compat",
-        choices=["vllm"],
-        default=None,
-        help="also export vLLM-named series (vllm:*) for vLLM's dashboards",
-    )
-    p.add_argument(
-        "--shutdown-grace-s",
-        type=float,
-        default=25.0,
-        help="on SIGTERM/Ctrl-C: seconds the streams in flight get to finish",
-    )
-    p.add_argument("--log-level", default="INFO")
-    add_auth_flags(p)
-    return p
+@dataclass(frozen=True)
+class ServeOptions:
+    """The router process's own settings (the same flags as `pagedserve up`'s)."""
+
+    # on SIGTERM/Ctrl-C: seconds the streams in flight get to finish (under Kubernetes'
+    # default 30 s termination grace)
+    shutdown_grace_s: float = 25.0
+    # A standalone router's logs are its only output (`pagedserve up` defaults to
+    # WARNING: it prints its own progress, and Ray streams the workers' logs to it).
+    log_level: str = "INFO"
 
 
-# issue 11: auth
-def add_auth_flags(p: argparse.ArgumentParser) -> None:
-    """--api-key / --api-keys-file (router/auth.py), defaulting to their environment
-    variables as `vllm serve --api-key` does to VLLM_API_KEY; shared with `pagedserve up`.
-    Neither = the API is open (any caller, tenant "default")."""
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("PAGEDSERVE_API_KEY") or None,
-        help="callers must send 'authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY; "
-        "a flag shows in ps, the variable does not)",
-    )
-    p.add_argument(
-        "--api-keys-file",
-        default=os.environ.get("PAGEDSERVE_API_KEYS_FILE") or None,
-        help="one 'KEY TENANT [MAX_INFLIGHT]' per line (default: $PAGEDSERVE_API_KEYS_FILE)",
+def settings_schema() -> Schema:
+    """Every RouterConfig field is a flag (common/api/settings.py)."""
+    return Schema(
+        prog="python -m pagedserve.router",
+        description=__doc__,
+        roots=[Root("router", RouterConfig), Root("serve", ServeOptions)],
+        version=__version__,
     )
 
 
-def auth_options(
-    args: argparse.Namespace, parser: argparse.ArgumentParser
-) -> dict[str, str | None]:
-    """RouterConfig's fields from the flags of add_auth_flags, checked now (a bad keys
-    file is a usage error naming its line, before anything starts)."""
-    try:
-        Authenticator.from_config(args.api_key, args.api_keys_file)
+def build_parser() -> ArgumentParser:
+    return settings_schema().parser()
+
+
+def parse_config(argv: list[str] | None = None) -> tuple[RouterConfig, ServeOptions]:
+    schema = settings_schema()
+    parser = schema.parser()
+    built = schema.build(parser.parse_args(argv), parser)
+    config = built["router"]
+    try:  # a bad keys file is a usage error naming its line, before anything starts
+        Authenticator.from_config(config.api_key, config.api_keys_file)
     except ConfigError as e:
         parser.error(str(e))
-    return {"api_key": args.api_key, "api_keys_file": args.api_keys_file}
-
-
-def demo_key(args: argparse.Namespace) -> str | None:
-    """A key the launcher's own demo request can present: --api-key, else the keys
-    file's first."""
-    if args.api_key or not args.api_keys_file:
-        return args.api_key
-    return next(iter(load_keys_file(args.api_keys_file)))
-
-
-# end issue 11: auth
+    return config, built["serve"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s: %(message)s")
-    config = RouterConfig(
-        host=args.host,
-        port=args.port,
-        model=args.model,
-        max_model_len=args.max_model_len,
-        max_inflight=args.max_inflight,
-        max_queued=args.max_queued,
-        worker_timeout_s=args.worker_timeout_s,
-        disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
-        lease_ttl_ms=args.lease_ttl_ms,
-        transfer_failure_policy=args.transfer_failure_policy,
-        redis_url=args.redis_url,
-        metrics_port=args.metrics_port,
-        metrics_compat=args.metrics_compat,
-        prefix=PrefixRouting(
-            enabled=not args.no_prefix_routing,
-            pull=not args.no_prefix_pull,
-            load_weight=args.prefix_load_weight,
-            prefill_tokens_per_s=args.prefill_tokens_per_s,
-            transfer_bytes_per_s=args.transfer_bytes_per_s,
-        ),
-        **auth_options(args, parser),  # issue 11: auth
-    )
+    config, options = parse_config(argv)
+    logging.basicConfig(level=options.log_level, format="%(asctime)s %(name)s: %(message)s")
     # serve() handles SIGTERM and SIGINT itself (drain, then return).
     with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
-        asyncio.run(serve(config, shutdown_grace_s=args.shutdown_grace_s))
+        asyncio.run(serve(config, shutdown_grace_s=options.shutdown_grace_s))
     return 0
 
 

@@ -18,7 +18,7 @@ import pytest
 from builders import one_torch_thread  # noqa: F401 (autouse fixture)
 from router_fixtures import ROUTER_CONFIG, start_cluster, tiny_engine_config, wait_for
 
-from pagedserve import cli
+from pagedserve import cli, launch
 from pagedserve.common.api.limits import ConfigError
 from pagedserve.router import __main__ as router_main
 from pagedserve.router import auth
@@ -395,24 +395,21 @@ def test_router_flags_default_to_the_environment_and_refuse_a_bad_file(
 ):
     monkeypatch.setenv("PAGEDSERVE_API_KEY", "from-env")
     monkeypatch.setenv("PAGEDSERVE_API_KEYS_FILE", write(tmp_path, KEYS_FILE))
-    parser = router_main.build_parser()
-    args = parser.parse_args([])
-    assert router_main.auth_options(args, parser) == {
-        "api_key": "from-env",
-        "api_keys_file": str(tmp_path / "keys"),
-    }
-    assert router_main.demo_key(args) == "from-env"
+    config, _ = router_main.parse_config([])
+    assert (config.api_key, config.api_keys_file) == ("from-env", str(tmp_path / "keys"))
+    spec, _ = launch.parse_spec([])  # `pagedserve up`: the same flags, the same defaults
+    assert spec.router_options["api_key"] == "from-env"
+    assert launch.demo_key(spec) == "from-env"
     monkeypatch.delenv("PAGEDSERVE_API_KEY")
-    args = router_main.build_parser().parse_args([])
-    assert router_main.demo_key(args) == KEYS["alpha"]  # the file's first key
+    assert launch.demo_key(launch.parse_spec([])[0]) == KEYS["alpha"]  # the file's first key
     bad = write(tmp_path, "k1 a\nk1 b\n", "bad")
-    args = parser.parse_args(["--api-keys-file", bad])
-    with pytest.raises(SystemExit):
-        router_main.auth_options(args, parser)
-    assert "bad:2: duplicate key (first on line 1)" in capsys.readouterr().err
+    for parse in (router_main.parse_config, launch.parse_spec):
+        with pytest.raises(SystemExit):
+            parse(["--api-keys-file", bad])
+        assert "bad:2: duplicate key (first on line 1)" in capsys.readouterr().err
     monkeypatch.delenv("PAGEDSERVE_API_KEYS_FILE")
-    args = router_main.build_parser().parse_args([])
-    assert router_main.auth_options(args, parser) == {"api_key": None, "api_keys_file": None}
+    config, _ = router_main.parse_config([])
+    assert (config.api_key, config.api_keys_file) == (None, None)
 
 
 def test_tenant_is_frozen_and_its_salt_is_its_name():

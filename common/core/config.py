@@ -23,10 +23,13 @@ class CacheConfig:
     (the CPU analogue of vLLM's gpu_memory_utilization); the engine logs the result.
     """
 
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_bytes: int = 2 * GiB
-    enable_prefix_caching: bool = True
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # the pool's size in blocks; None: from kv_cache_bytes
+    # Per engine (one worker). 1 GiB, as `pagedserve up` always gave its workers (the
+    # default had drifted to 2 GiB here): a launcher puts several workers on one machine,
+    # and 1 GiB holds ~23k tokens of SmolLM2-135M in fp32 (45 KiB a token).
+    kv_cache_bytes: int = 1 * GiB
+    enable_prefix_caching: bool = True  # share full blocks between sequences by hash
     # What happens to the newest running sequence when the pool runs dry:
     # "recompute" frees its blocks and re-prefills it later (the prefix cache helps);
     # "swap" copies its KV to host memory and back.
@@ -91,12 +94,12 @@ class EngineConfig:
     # (avx512_bf16 / AMX), float32 elsewhere: without them torch emulates bf16 and
     # a bf16 matmul runs ~5x slower than fp32 (measured on a 2-core AVX-512 Xeon).
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    device: str = "cpu"
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     attention_backend: str | None = None  # None: Triton on CUDA, torch on CPU
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_n: int = 16  # largest `n` (parallel samples) a request may ask for
-    max_logprobs: int = 20
+    max_logprobs: int = 20  # most top logprobs a request may ask for per token
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
 
     def __post_init__(self) -> None:

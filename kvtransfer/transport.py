@@ -43,7 +43,7 @@ import grpc
 import torch
 
 from pagedserve.kvtransfer.handle import ExportedKV, local_host_id
-from pagedserve.kvtransfer.segment import SHM_DIR, open_shm, parse_segment
+from pagedserve.kvtransfer.segment import SHM_DIR, lease_segment_path, open_shm, parse_segment
 from pagedserve.kvtransfer.sinks import TensorSink
 from pagedserve.kvtransfer.source import SERVICE_NAME, positions_of
 from pagedserve.kvtransfer.stats import PullRecord, TransferStats, failure_cause
@@ -161,8 +161,11 @@ class ShmTransport(KVTransport):
             raise KVTransferError(f"lease {handle.lease_id!r} was not staged in shared memory")
         if handle.expired():
             raise LeaseNotFoundError(f"lease {handle.lease_id!r} expired")
+        # The handle comes from the caller: only a name that follows the segment naming
+        # rule, for this lease, inside shm_dir is ever opened (ValueError otherwise).
+        path = lease_segment_path(self.shm_dir, handle.shm_name, handle.lease_id)
         try:
-            mapping = open_shm(self.shm_dir / handle.shm_name)
+            mapping = open_shm(path)
         except FileNotFoundError:
             raise LeaseNotFoundError(
                 f"segment {handle.shm_name} of lease {handle.lease_id!r} is gone "

@@ -52,6 +52,7 @@ the format cannot miss one of its readers.
 
 from __future__ import annotations
 
+import bisect
 import os
 import struct
 import threading
@@ -139,6 +140,14 @@ class LeaseNotFoundError(KVTransferError):
     """The lease is unknown, released or expired (gRPC NOT_FOUND)."""
 
     cause = "lease_not_found"
+
+
+class TransferMismatchError(KVTransferError, ValueError):
+    """A well-formed transfer that does not fit the destination (shape, dtype, block
+    count): the sink's refusal, raised by `ChunkAssembler` as the module's own error
+    (and still a ValueError, as sinks raise it)."""
+
+    cause = "invalid"
 
 
 class TransferCancelled(KVTransferError):
@@ -549,6 +558,7 @@ class ChunkAssembler:
         self.overlap = overlap
         self.first: ChunkHeader | None = None
         self.seen: set[int] = set()
+        self._units: list[tuple[int, int]] = []  # unit ranges received, sorted
         self.units_written = 0
         self.payload_bytes = 0
         self._pending: deque[Future[None]] = deque()
@@ -581,7 +591,12 @@ class ChunkAssembler:
         if self.first is None:
             if self.expect is not None:
                 self.expect.check(header)
-            self.sink.bind(header)
+            try:
+                self.sink.bind(header)
+            except TransferMismatchError:
+                raise
+            except ValueError as e:  # the sink's refusal: this module's error, same message
+                raise TransferMismatchError(str(e)) from None
             self.first = header
         elif not header.same_transfer(self.first):
             raise KVTransferError(
@@ -590,6 +605,23 @@ class ChunkAssembler:
             )
         if header.chunk_index in self.seen:
             raise KVTransferError(f"chunk {header.chunk_index} received twice")
+        self._claim_units(header)
+
+    def _claim_units(self, header: ChunkHeader) -> None:
+        """Each unit arrives once. A sender that seals its own headers could otherwise
+        place two chunks on the same units and leave others unwritten (stale KV read as
+        the prompt's) while the unit count in `finish` still adds up; with no overlap,
+        that count proves every unit was written."""
+        start, end = header.unit_start, header.unit_start + header.unit_count
+        i = bisect.bisect_left(self._units, (start, end))
+        before = i > 0 and self._units[i - 1][1] > start
+        after = i < len(self._units) and self._units[i][0] < end
+        if before or after:
+            raise KVTransferError(
+                f"chunk {header.chunk_index} covers units [{start}, {end}), some of which "
+                "another chunk already delivered"
+            )
+        self._units.insert(i, (start, end))
 
     def wait_checksums(self) -> None:
         """Wait for the background checksums; raise the first failure."""

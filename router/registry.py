@@ -56,6 +56,10 @@ class WorkerRegistry:
         # Called with a worker's record and the reason when that record leaves: a drop,
         # or a re-registration under a new address or pool (the old record is gone).
         self.drop_listeners: list[Callable[[WorkerInfo, str], None]] = []
+        # HeartbeatResponse per model name, built on demand and dropped on every
+        # membership change (`_changed`): heartbeats are answered without walking the
+        # registry each time, and the Redis feed's heartbeats never build one.
+        self._peer_lists: dict[str, worker_pb2.HeartbeatResponse] = {}
 
     # -- membership -----------------------------------------------------------------
 
@@ -119,6 +123,7 @@ class WorkerRegistry:
             fn(info, reason)
 
     def _changed(self) -> None:
+        self._peer_lists.clear()
         for fn in self.listeners:
             fn()
 
@@ -140,6 +145,25 @@ class WorkerRegistry:
             for w in self._workers.values()
             if w.pool in pools and w.worker_id not in skip and not w.stats.draining
         ]
+
+    def live_peers(self, model_name: str) -> worker_pb2.HeartbeatResponse:
+        """The heartbeat answer for a worker of `model_name`: every live worker of exactly
+        that model (itself included), by id and transfer address.
+
+        Exactly the model, not just its name: a decode worker pulls KV only from these,
+        and KV of another checkpoint revision has the right shape but the wrong values.
+        The message is shared between callers until the membership changes: read it,
+        never modify it.
+        """
+        response = self._peer_lists.get(model_name)
+        if response is None:
+            peers = [
+                worker_pb2.LivePeer(worker_id=w.worker_id, transfer_address=w.address)
+                for w in sorted(self._workers.values(), key=lambda w: w.worker_id)
+                if w.stats.model_name == model_name
+            ]
+            response = self._peer_lists[model_name] = worker_pb2.HeartbeatResponse(peers=peers)
+        return response
 
     def model_id(self) -> str | None:
         """The workers' model identity (their block hashes' model id), once one reported it."""

@@ -326,8 +326,9 @@ class Router:
 
     # -- workers ------------------------------------------------------------------------
 
-    def heartbeat(self, stats: worker_pb2.WorkerStats) -> None:
-        """Records a heartbeat; raises ValueError for a worker of another model."""
+    def heartbeat(self, stats: worker_pb2.WorkerStats) -> worker_pb2.HeartbeatResponse:
+        """Records a heartbeat and answers the live peers (the KV sources the worker may
+        trust); raises ValueError for a worker of another model."""
         name = stats.model_name.split("@", 1)[0]
         if name != self.frontend.model_name:
             raise ValueError(
@@ -335,6 +336,7 @@ class Router:
                 f"serves {self.frontend.model_name!r}: not registered"
             )
         self.registry.heartbeat(stats)
+        return self.registry.live_peers(stats.model_name)
 
     def poll_redis_registry(self) -> bool:
         """One read of the Redis worker registry, applied; False if it failed (degraded).

@@ -151,7 +151,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
 
     def __init__(
         self,
-        heartbeat: Callable[[worker_pb2.WorkerStats], None],
+        heartbeat: Callable[[worker_pb2.WorkerStats], worker_pb2.HeartbeatResponse | None],
         goodbye: Callable[[str], None],
     ) -> None:
         self.heartbeat = heartbeat
@@ -159,13 +159,13 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
 
     async def Heartbeat(self, request, context):  # noqa: N802
         try:
-            self.heartbeat(request.stats)
+            response = self.heartbeat(request.stats)
         except ValueError as e:
             logger.warning("heartbeat refused: %s", e)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        # The prefix index asks for resyncs itself (a publisher's batch answered GAP):
-        # nothing to say here.
-        return worker_pb2.HeartbeatResponse()
+        # The live peers (the worker's trusted KV sources); the prefix index asks for
+        # resyncs itself (a publisher's batch answered GAP): nothing else to say here.
+        return response if response is not None else worker_pb2.HeartbeatResponse()
 
     async def Goodbye(self, request, context):  # noqa: N802
         self.goodbye(request.worker_id)

@@ -752,8 +752,11 @@ def test_auto_transport_picks_per_handle(served):
     assert auto.pull_into(remote, CacheSink(dst, [3, 4])).transport == "grpc"
     forced = AutoTransport(mode="grpc", grpc_transport=client)
     assert forced.pull_into(handle, CacheSink(dst, [3, 4])).transport == "grpc"
-    # Same host id but the segment is not visible here: falls back to gRPC.
-    hidden = ExportedKV(**{**handle.__dict__, "shm_name": segment_name(os.getpid(), "not-here")})
+    # Same host id but the segment is not visible here: falls back to gRPC. (A
+    # well-formed name for the lease, from a pid that cannot exist: a name that breaks
+    # the naming rule is refused before anything is opened, see test_handle_fuzz.py.)
+    gone = segment_name(999_999_999, handle.lease_id)
+    hidden = ExportedKV(**{**handle.__dict__, "shm_name": gone})
     assert auto.pull_into(hidden, CacheSink(dst, [3, 4])).transport == "grpc"
     assert_bit_equal(dst[:, :, [3, 4]], cache[:, :, [1, 2]])
     source.release(handle.lease_id)

@@ -752,6 +752,7 @@ def test_decode_import_from_a_hung_peer_recomputes_after_the_pull_deadline(
     p = prompt(42, 40)
     handle = export(pre, "hung-d", p, greedy(8))
     pre.kv_source.release(handle.lease_id)
+    rt.peers.set_live([hung_peer.address])  # as the registry answers: a live peer, hung
     msg = worker_pb2.DecodeRequest(
         request=tokenized("hung-d", p, greedy(8)), kv=to_hung(handle, hung_peer)
     )
@@ -769,6 +770,7 @@ def test_prefix_import_from_a_hung_peer_computes_locally_after_the_deadline(
     decode(pre, worker_pb2.DecodeRequest(request=tokenized("hung-warm", p, greedy(2))))
     prefix = prefill_stub(pre).ExportPrefix(worker_pb2.ExportPrefixRequest(token_ids=p), timeout=10)
     pre.kv_source.release(prefix.lease_id)
+    rt.peers.set_live([hung_peer.address])  # as the registry answers: a live peer, hung
     msg = worker_pb2.DecodeRequest(
         request=tokenized("hung-x", p, greedy(8)), prefix=to_hung(prefix, hung_peer)
     )

@@ -23,6 +23,10 @@ Where a request is checked (the trust boundary, decided here for both roles):
   batch (a token id past the vocabulary would fail the forward of every request in
   it). The cost is a few comparisons per request; the offline `LLM` gets the same
   guarantee from the same code.
+- KV handles (a Decode's `kv`, any `prefix`) name where to pull from, so they are
+  checked on arrival by kvtransfer/validate.py (names, counts, first tokens, and an
+  exporter this worker trusts, common/runtime/peers.py) before anything is reserved,
+  opened or dialed; a lease is released only at a trusted address.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from pagedserve.common.core.engine_loop import EngineBusy
 from pagedserve.common.core.handoff import HandoffCalls
 from pagedserve.common.runtime.worker import WorkerRuntime
 from pagedserve.kvtransfer.handle import ExportedKV
+from pagedserve.kvtransfer.segment import check_lease_id
 from pagedserve.kvtransfer.sinks import CacheSink
+from pagedserve.kvtransfer.validate import HandleError, check_prefix_handle
 from pagedserve.kvtransfer.wire import KVTransferError
 from pagedserve.v1 import kvtransfer_pb2
 
@@ -65,9 +71,20 @@ def import_prefix(
     """Pulls another worker's blocks of the prompt's prefix into this worker's prefix cache.
 
     Best effort: on any failure the blocks are simply computed here. Returns the
-    blocks pulled. The exporter's lease is released either way. The pull has a
-    deadline (kv_pull_timeout_s): a hung exporter cannot hold the pinned blocks.
+    blocks pulled. The exporter's lease is released either way, if it is trusted. The
+    pull has a deadline (kv_pull_timeout_s): a hung exporter cannot hold the pinned
+    blocks. A handle that breaks kvtransfer/validate.py's rules, or names an exporter
+    this worker does not trust, is not pulled at all (nothing reserved, opened or
+    dialed); the decode role refuses such a call before it gets here.
     """
+    try:
+        check_prefix_handle(
+            prefix, prompt_len=len(prompt), limits=rt.import_limits, trusted=rt.peers.trusts
+        )
+    except HandleError as e:
+        logger.warning("prefix handle for %s refused, computing it here: %s", rid, e)
+        release_if_trusted(rt, prefix)
+        return 0
     pin = f"{rid}#prefix"
     try:
         handle = ExportedKV.from_proto(prefix, rid)
@@ -91,5 +108,15 @@ def import_prefix(
         logger.warning("prefix pull for %s failed, computing it here: %s", rid, e)
         return 0
     finally:
-        if prefix.lease_id:
-            rt.lease_releaser.release(prefix.transfer_address, prefix.lease_id)
+        release_if_trusted(rt, prefix)
+
+
+def release_if_trusted(rt: WorkerRuntime, handle: kvtransfer_pb2.KVHandle) -> None:
+    """Ends a handle's lease at its exporter, only if that is an address this worker
+    trusts (common/runtime/peers.py): a forged handle never makes it dial anywhere."""
+    try:
+        check_lease_id(handle.lease_id)
+    except ValueError:
+        return
+    if rt.peers.trusted_now(handle.transfer_address):
+        rt.lease_releaser.release(handle.transfer_address, handle.lease_id)

@@ -31,10 +31,11 @@ from pagedserve.common.runtime.grpc_options import (
     SERVER_OPTIONS,
 )
 from pagedserve.common.runtime.leases import LeaseReleaser
+from pagedserve.common.runtime.peers import TrustedPeers
 from pagedserve.common.runtime.prefix_index import IndexPublisher, open_prefix_index
 from pagedserve.common.runtime.prefix_index.faults import Backoff, LogLimiter
 from pagedserve.common.runtime.prefix_index.remote import RemotePrefixIndex
-from pagedserve.kvtransfer.handle import local_host_id
+from pagedserve.kvtransfer.handle import KVLayout, local_host_id
 from pagedserve.kvtransfer.segment import SHM_DIR, free_bytes, remove_stale_segments
 from pagedserve.kvtransfer.source import KVSource, add_kvtransfer_service
 from pagedserve.kvtransfer.transport import (
@@ -43,6 +44,7 @@ from pagedserve.kvtransfer.transport import (
     GrpcTransport,
     ShmTransport,
 )
+from pagedserve.kvtransfer.validate import ImportLimits
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -94,6 +96,10 @@ class WorkerConfig:
     kv_shm_dir: str = str(SHM_DIR)
     kv_max_staged_bytes: int | None = None
     kv_max_open_leases: int = 1024
+    # Addresses ("host:port") whose KV handles this worker pulls from besides its own,
+    # the registry's live workers of its model and this process's runtimes
+    # (common/runtime/peers.py): for a worker without a registry.
+    trusted_peers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.pool not in POOL_TO_PB:
@@ -143,6 +149,19 @@ class WorkerRuntime:
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         self.address = f"{config.advertise_host or config.host}:{self.port}"
         self.host_id = local_host_id()
+        # Where KV handles may be pulled from (peers.py); refreshed by the heartbeats.
+        self.peers = TrustedPeers(
+            self.address,
+            self.engine.model_id,
+            config.trusted_peers,
+            has_registry=config.registry_address is not None,
+        )
+        # What a KV handle must match to be imported here (kvtransfer/validate.py).
+        self.import_limits = ImportLimits(
+            KVLayout.of_cache(self.engine.kv_cache.kv),
+            self.engine.spec.vocab_size,
+            self.engine.model_id,
+        )
         shm_dir = Path(config.kv_shm_dir)
         if config.kv_transport != "grpc":
             _remove_stale_segments(shm_dir)
@@ -199,6 +218,7 @@ class WorkerRuntime:
         self.loop.start()
         self.server.start()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.peers.serving()
         if self.metrics is not None:
             self.metrics.serve(self.config.host, self.config.metrics_port)
         if self.config.registry_address or self.registry_publisher is not None:
@@ -243,6 +263,7 @@ class WorkerRuntime:
 
     def stop(self, grace: float = 1.0) -> None:
         self._stop.set()
+        self.peers.stopped()
         self.health.enter_graceful_shutdown()
         if self.config.registry_address:
             try:
@@ -322,16 +343,20 @@ class WorkerRuntime:
                 log.log(logging.DEBUG, "rpc", "heartbeat to %s failed: %s", address, e)
             except Exception:
                 log.log(logging.ERROR, "bug", "heartbeat failed", exc_info=True)
-            self._stop.wait(self.config.heartbeat_interval_s)
+            # The interval, or sooner when a KV handle names an unknown peer (peers.py).
+            self.peers.wait_next_beat(self.config.heartbeat_interval_s, self._stop)
         if channel is not None:
             channel.close()
 
     def _beat_once(self, stub: worker_pb2_grpc.RegistryStub | None) -> None:
         stats = self.stats()
+        self.peers.beat_started()
         try:
             if stub is not None:
-                stub.Heartbeat(worker_pb2.HeartbeatRequest(stats=stats), timeout=2.0)
+                answer = stub.Heartbeat(worker_pb2.HeartbeatRequest(stats=stats), timeout=2.0)
+                self.peers.set_live(p.transfer_address for p in answer.peers)
         finally:  # the Redis registry gets its beat even when the router's failed
+            self.peers.beat_finished()
             if self.registry_publisher is not None:
                 self.registry_publisher.beat(stats.SerializeToString())  # never raises
 

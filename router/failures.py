@@ -26,7 +26,10 @@ from pagedserve.router.registry import WorkerInfo
 
 # Downstream codes passed to the client as they are. CANCELLED from a worker (it shut
 # down, or aborted the request itself; our own client's cancel never gets here) is a
-# worker failure to the client: UNAVAILABLE. Anything else becomes INTERNAL.
+# worker failure to the client: UNAVAILABLE. So is FAILED_PRECONDITION: a decode
+# worker refusing a KV handle whose exporter it does not know as a live peer (its
+# peer list lags a registration or a leave by a heartbeat; kvtransfer/validate.py):
+# the request may go to another worker. Anything else becomes INTERNAL.
 _PASS_THROUGH = {
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -35,6 +38,7 @@ _PASS_THROUGH = {
 }
 # What a worker's answer means for the request (see the module docstring).
 _FAILED = {
+    grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN,
@@ -98,7 +102,7 @@ class Failure:
 
     def abort(self, streamed: int) -> Abort:
         code = self.code
-        if code == grpc.StatusCode.CANCELLED:
+        if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.FAILED_PRECONDITION):
             code = grpc.StatusCode.UNAVAILABLE
         elif code not in _PASS_THROUGH:
             code = grpc.StatusCode.INTERNAL

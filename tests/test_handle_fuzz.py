@@ -701,3 +701,19 @@ def test_a_worker_pulls_only_from_the_registered_live_workers_of_its_model(regis
         decode_from(ghost, "gone")
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     c.wait_quiescent()
+
+
+def test_router_treats_an_untrusted_handle_refusal_as_a_worker_failure():
+    """FAILED_PRECONDITION (a decode worker's peer list lags the registry) may move the
+    request to another worker, and reaches the client as UNAVAILABLE, not INTERNAL."""
+    import grpc
+
+    from pagedserve.router.failures import Failure
+    from pagedserve.router.registry import WorkerInfo
+    from pagedserve.v1 import worker_pb2
+
+    w = WorkerInfo("d0", "decode", "127.0.0.1:1", worker_pb2.WorkerStats(), 0.0)
+    f = Failure(grpc.StatusCode.FAILED_PRECONDITION, "not a registered live worker", "decode", w)
+    assert f.kind() == "failed"
+    assert f.abort(0).code == grpc.StatusCode.UNAVAILABLE
+    assert "not a registered live worker" in f.abort(0).message

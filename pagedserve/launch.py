@@ -83,7 +83,8 @@ class ClusterSpec:
     ray_address: str | None = None  # None: a private local Ray; "auto": join `ray start`
     num_cpus: int | None = None  # for a private local Ray
     gpus_per_worker: float = 0.0
-    redis_url: str | None = None  # prefix index + worker registry in Redis (else embedded)
+    # prefix index + worker registry in Redis (else embedded); may carry a password
+    redis_url: str | None = field(default=None, repr=False)
     lease_ttl_s: float = 30.0  # exported KV not pulled within this is freed (its router died)
     heartbeat_interval_s: float = 1.0  # workers -> router registry
     worker_timeout_s: float = 3.0  # a worker without a heartbeat this long leaves routing

@@ -16,6 +16,7 @@ import os
 from dataclasses import replace
 
 from pagedserve.common.core.loader import LoadedModel
+from pagedserve.common.runtime.prefix_index.connection import redact_url
 from pagedserve.common.runtime.worker import WorkerConfig, WorkerRuntime
 from pagedserve.decode_worker.servicer import DecodeServicer
 from pagedserve.prefill_worker.servicer import PrefillServicer
@@ -67,7 +68,7 @@ class WorkerActor:
             "pool": self.config.pool,
             "address": self.runtime.address,
             "registry_address": self.config.registry_address,
-            "redis_url": self.config.redis_url,
+            "redis_url": redact_url(self.config.redis_url) if self.config.redis_url else None,
             "model": self.config.engine.model,
             "pid": os.getpid(),
         }

@@ -114,7 +114,7 @@ class RouterConfig:
     # this router (workers publish to its PrefixIndex service) and workers register by
     # heartbeat to its Registry service. URL forms: redis://[user[:password]@]host:port/db,
     # rediss://... (TLS).
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, repr=False)  # may carry a password
     registry_poll_s: float = 0.25  # how often the Redis worker registry is read
     # Prometheus endpoint (router/metrics.py) on `host`: None = none, 0 = any free port.
     metrics_port: int | None = None

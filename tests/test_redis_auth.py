@@ -102,3 +102,19 @@ def test_a_bad_url_scheme_error_hides_the_password():
     with pytest.raises(ValueError, match=r"http://pagedserve:\*\*\*@redis") as error:
         check_url("http://pagedserve:s3cret@redis:6379/0")
     assert "s3cret" not in str(error.value)
+
+
+def test_configs_never_show_a_redis_password():
+    """The configs' reprs (logged, printed in errors) leave the URL out altogether."""
+    from pagedserve.common.runtime.worker import WorkerConfig
+    from pagedserve.launch import ClusterSpec
+    from pagedserve.router.config import RouterConfig
+
+    url = "redis://pagedserve:s3cret-pw@redis:6379/0"
+    for config in (
+        RouterConfig(redis_url=url),
+        WorkerConfig(worker_id="w", pool="decode", redis_url=url),
+        ClusterSpec(redis_url=url),
+    ):
+        assert config.redis_url == url
+        assert "s3cret-pw" not in repr(config)

@@ -118,6 +118,8 @@ NOT_FLAGS: dict[str, str] = {
     "WorkerConfig.advertise_host": "derived from --listen-host (0.0.0.0: the node's IP)",
     "WorkerConfig.registry_address": "the launcher's router (--advertise-host, --port)",
     "WorkerConfig.index_address": "the launcher's router, unless --redis-url",
+    "WorkerConfig.trusted_peers": "for workers run without a registry (embedded, tests); "
+    "the launcher's workers learn their peers from the router's heartbeat answers",
 }
 
 # "Class.field" -> (flag, unit size, unit name): a second flag in another unit, a float; given, it

@@ -76,7 +76,7 @@ class WorkerConfig:
     # Where this worker publishes its prefix-cache events: a Redis URL (the shared
     # index), else the router's PrefixIndex service at `index_address` (embedded),
     # else nowhere (a worker on its own).
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, repr=False)  # may carry a password
     index_address: str | None = None
     index_ttl_s: float = 10.0  # a worker silent this long drops out of the index
     # Prometheus endpoint (common/runtime/metrics.py) on `host`: None = none, 0 = any free port.

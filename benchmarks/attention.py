@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from benchmarks.table import print_rows
+from benchmarks.cli import print_rows
 from pagedserve.common.core.attention.base import AttentionMetadata
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

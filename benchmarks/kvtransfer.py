@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 import grpc
 import torch
 
-from benchmarks.table import print_rows
+from benchmarks.cli import print_rows
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.sinks import CacheSink
 from pagedserve.kvtransfer.source import KVSource, add_kvtransfer_service

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from benchmarks.table import print_rows
+from benchmarks.cli import print_rows
 from pagedserve.common.core.attention import triton_decode, triton_prefill  # noqa: E402
 from pagedserve.common.core.attention.triton_common import PagedShape, default_tile  # noqa: E402
 

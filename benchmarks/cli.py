@@ -1,7 +1,8 @@
-"""Plain-text tables of the benchmarks' reports."""
+"""Pieces the benchmarks' command lines share: on/off switch flags, plain-text tables."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterable
 
 
@@ -14,3 +15,10 @@ def print_rows(title: str | None, head: str, lines: Iterable[str]) -> None:
     print("-" * len(head))
     for line in lines:
         print(line)
+
+
+def add_on_off(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
+    """`flag` takes on, off, or both (the runs alternate between them); default on."""
+    parser.add_argument(
+        flag, nargs="+", default=["on"], choices=["on", "off"], help=f"{help}: on, off, or both"
+    )

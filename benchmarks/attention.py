@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from benchmarks.cli import print_rows
 from pagedserve.common.core.attention.base import AttentionMetadata
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -263,22 +264,24 @@ def bench_point(
 # ---- report ---------------------------------------------------------------------------
 
 
+TABLE_HEAD = (
+    f"{'batch':>5} {'ctx':>5} {'backend':>7} {'ms/layer':>9} {'ms/step':>9} "
+    f"{'KV GB/s':>8} {'% copy':>7} {'vs sdpa':>8} {'max err':>8} {'copies':>6} timing"
+)
+
+
 def print_table(rows: list[Row], layers: int) -> None:
-    head = (
-        f"{'batch':>5} {'ctx':>5} {'backend':>7} {'ms/layer':>9} {'ms/step':>9} "
-        f"{'KV GB/s':>8} {'% copy':>7} {'vs sdpa':>8} {'max err':>8} {'copies':>6} timing"
+    print_rows(f"(ms/step = ms/layer x {layers} layers)", TABLE_HEAD, map(_row_line, rows))
+
+
+def _row_line(r: Row) -> str:
+    vs = f"{r.vs_sdpa:7.2f}x" if r.vs_sdpa is not None else f"{'-':>8}"
+    err = f"{r.max_rel_err:8.1e}" if r.max_rel_err is not None else f"{'-':>8}"
+    return (
+        f"{r.batch:>5} {r.context:>5} {r.backend:>7} {r.ms_per_layer:9.3f} "
+        f"{r.ms_per_step:9.2f} {r.kv_gbs:8.1f} {100 * r.frac_copy_bw:6.1f}% {vs} {err} "
+        f"{r.copies:>6} {r.timing}"
     )
-    print(f"(ms/step = ms/layer x {layers} layers)")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        vs = f"{r.vs_sdpa:7.2f}x" if r.vs_sdpa is not None else f"{'-':>8}"
-        err = f"{r.max_rel_err:8.1e}" if r.max_rel_err is not None else f"{'-':>8}"
-        print(
-            f"{r.batch:>5} {r.context:>5} {r.backend:>7} {r.ms_per_layer:9.3f} "
-            f"{r.ms_per_step:9.2f} {r.kv_gbs:8.1f} {100 * r.frac_copy_bw:6.1f}% {vs} {err} "
-            f"{r.copies:>6} {r.timing}"
-        )
 
 
 def target_summary(rows: list[Row]) -> str | None:

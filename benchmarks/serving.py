@@ -75,7 +75,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import grpc
 import numpy as np
@@ -785,8 +785,19 @@ def workload_summary(phases: Sequence[Phase]) -> dict[str, dict]:
 # -- the command --------------------------------------------------------------------------
 
 
+# The help of the workload flags (one a WorkloadConfig field) that need one.
+WORKLOAD_HELP = {
+    "num_prompts": "sharegpt phase requests",
+    "request_rate": "sharegpt phase, req/s (Poisson); 'inf' = all at once",
+    "length_scale": "ShareGPT lengths times this (1 = the paper's 161/338 means)",
+    "num_short": "decode-stream requests",
+    "short_rate": "decode stream req/s (Poisson); 'inf' = all at once",
+    "long_every_s": "one long prompt per this many seconds",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    d = WorkloadConfig()
+    d = WorkloadConfig()  # every field a number, never None: its type is the flag's
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.serving", description=__doc__.split("\n\n")[0]
     )
@@ -825,43 +836,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="per request (prompt + output), at most the model's",
     )
     p.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per worker")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument(
-        "--request-rate",
-        type=float,
-        default=d.request_rate,
-        help="sharegpt phase, req/s (Poisson); 'inf' = all at once",
-    )
     p.add_argument(
         "--concurrency",
         type=int,
         default=None,
         help="at most this many requests in flight (long prompts excepted)",
     )
-    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="sharegpt phase requests")
-    p.add_argument(
-        "--length-scale",
-        type=float,
-        default=d.length_scale,
-        help="ShareGPT lengths times this (1 = the paper's 161/338 means)",
-    )
-    p.add_argument("--num-short", type=int, default=d.num_short, help="decode-stream requests")
-    p.add_argument(
-        "--short-rate",
-        type=float,
-        default=d.short_rate,
-        help="decode stream req/s (Poisson); 'inf' = all at once",
-    )
-    p.add_argument("--short-prompt-len", type=int, default=d.short_prompt_len)
-    p.add_argument("--short-output-len", type=int, default=d.short_output_len)
-    p.add_argument("--long-prompt-len", type=int, default=d.long_prompt_len)
-    p.add_argument("--long-output-len", type=int, default=d.long_output_len)
-    p.add_argument(
-        "--long-every-s",
-        type=float,
-        default=d.long_every_s,
-        help="one long prompt per this many seconds",
-    )
+    for f in fields(WorkloadConfig):  # --num-prompts etc.: WorkloadConfig's defaults
+        default = getattr(d, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        p.add_argument(flag, type=type(default), default=default, help=WORKLOAD_HELP.get(f.name))
     p.add_argument(
         "--slo-ttft-ms", type=float, default=3000.0, help="goodput SLO on TTFT (<= 0: none)"
     )
@@ -892,6 +876,14 @@ def _rate(v: float | None) -> float | None:
     return None if v is None or math.isinf(v) else v
 
 
+def workload_from_args(args: argparse.Namespace) -> WorkloadConfig:
+    """The WorkloadConfig of the parsed flags; a rate of 'inf' (all at once) is None."""
+    values = {f.name: getattr(args, f.name) for f in fields(WorkloadConfig)}
+    for name in ("request_rate", "short_rate"):
+        values[name] = _rate(values[name])
+    return WorkloadConfig(**values)
+
+
 def _slo_value(v: float | None) -> float | None:
     return None if v is None or v <= 0 else v
 
@@ -909,19 +901,7 @@ def main(argv: list[str] | None = None) -> int:
     def progress(msg: str) -> None:
         print(f"[{time.monotonic() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    wl = WorkloadConfig(
-        seed=args.seed,
-        num_prompts=args.num_prompts,
-        request_rate=_rate(args.request_rate),
-        length_scale=args.length_scale,
-        num_short=args.num_short,
-        short_rate=_rate(args.short_rate),
-        short_prompt_len=args.short_prompt_len,
-        short_output_len=args.short_output_len,
-        long_prompt_len=args.long_prompt_len,
-        long_output_len=args.long_output_len,
-        long_every_s=args.long_every_s,
-    )
+    wl = workload_from_args(args)
     slo = SLO(
         _slo_value(args.slo_ttft_ms), _slo_value(args.slo_tpot_ms), _slo_value(args.slo_e2e_ms)
     )

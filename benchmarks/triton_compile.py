@@ -27,6 +27,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+from benchmarks.cli import print_rows
 from pagedserve.common.core.attention import triton_decode, triton_prefill  # noqa: E402
 from pagedserve.common.core.attention.triton_common import PagedShape, default_tile  # noqa: E402
 
@@ -128,14 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     results = run(args.arch, args.dtype, [tuple(s) for s in args.shape] if args.shape else SHAPES)
     head = f"{'arch':>4} {'kernel':>7} {'dtype':>5} {'group':>5} {'bs':>3} {'hd':>4} {'tile':>4} {'smem KiB':>9} {'limit':>6}  ok"
-    print(head)
-    print("-" * len(head))
-    for r in results:
-        print(
+    print_rows(
+        None,
+        head,
+        (
             f"sm{r.arch:<2} {r.kernel:>7} {r.dtype:>5} {r.group:>5} {r.block_size:>3} "
             f"{r.head_dim:>4} {r.tile:>4} {r.shared_bytes / 1024:9.1f} {r.limit_bytes // 1024:6}"
             f"  {'yes' if r.ok else 'NO'}"
-        )
+            for r in results
+        ),
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=2)

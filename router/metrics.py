@@ -171,6 +171,15 @@ def _gauge(name: str, doc: str, value: float, model: str) -> GaugeMetricFamily:
     return family
 
 
+# Counters by pool: (series name, Router.counters key "<pool>_<suffix>", help).
+_POOL_COUNTERS = (
+    ("retries", "retries", "Calls retried on another worker after UNAVAILABLE."),
+    (
+        "worker_refusals",
+        "refused",
+        "Calls a worker refused (RESOURCE_EXHAUSTED: full); the request moved on.",
+    ),
+)
 # Plain counters: (series name, Router.counters key, help), each labelled model_name.
 _COUNTERS = (
     (
@@ -279,22 +288,9 @@ def families(s: RouterSnapshot, model: str = "") -> Iterator[Metric]:
         "prefix_export_blocks", "Blocks exported for pulls.", c.get("prefix_export_blocks", 0), m
     )
     yield from _index_families(c, s.index_up, m)
-    yield _labelled(
-        CounterMetricFamily,
-        "retries",
-        "Calls retried on another worker after UNAVAILABLE.",
-        "pool",
-        {"prefill": c.get("prefill_retries", 0), "decode": c.get("decode_retries", 0)},
-        m,
-    )
-    yield _labelled(
-        CounterMetricFamily,
-        "worker_refusals",
-        "Calls a worker refused (RESOURCE_EXHAUSTED: full); the request moved on.",
-        "pool",
-        {"prefill": c.get("prefill_refused", 0), "decode": c.get("decode_refused", 0)},
-        m,
-    )
+    for name, suffix, doc in _POOL_COUNTERS:
+        by_pool = {pool: c.get(f"{pool}_{suffix}", 0) for pool in ("prefill", "decode")}
+        yield _labelled(CounterMetricFamily, name, doc, "pool", by_pool, m)
     for name, key, doc in _COUNTERS:
         yield _counter(name, doc, c.get(key, 0), m)
     yield _labelled(
@@ -321,52 +317,50 @@ def _index_families(c: dict[str, int], index_up: bool, m: str) -> Iterator[Metri
     yield _gauge("prefix_index_up", "0 while the prefix index is unreachable.", index_up, m)
 
 
-class _RequestSeries:
+class _ModelSeries:
+    """Series under one prefix, each labelled with the served model's name."""
+
+    def __init__(self, reg: CollectorRegistry, prefix: str, model: str) -> None:
+        self.reg, self.prefix, self.model = reg, prefix, model
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(self.prefix + name, doc, ["model_name"], registry=self.reg).labels(
+            self.model
+        )
+
+    def _by(self, name: str, doc: str, label: str) -> Counter:
+        """A counter family with one more label: bind it per value with `.labels`."""
+        return Counter(self.prefix + name, doc, ["model_name", label], registry=self.reg)
+
+    def _histogram(self, name: str, doc: str, buckets) -> Histogram:
+        return Histogram(
+            self.prefix + name, doc, ["model_name"], buckets=buckets, registry=self.reg
+        ).labels(self.model)
+
+
+class _RequestSeries(_ModelSeries):
     """The request-side series under one prefix, bound to the model_name label."""
 
     def __init__(self, reg: CollectorRegistry, prefix: str, model: str) -> None:
-        ml = ["model_name"]
-        self._requests = Counter(
-            prefix + "requests",
-            "Generate calls ended, by gRPC status code.",
-            [*ml, "code"],
-            registry=reg,
+        super().__init__(reg, prefix, model)
+        self._requests = self._by("requests", "Generate calls ended, by gRPC status code.", "code")
+        self._success = self._by(
+            "request_success", "Samples ended, by finish reason.", "finished_reason"
         )
-        self._success = Counter(
-            prefix + "request_success",
-            "Samples ended, by finish reason.",
-            [*ml, "finished_reason"],
-            registry=reg,
-        )
-        self.model = model
-        self.prompt_tokens = Counter(
-            prefix + "prompt_tokens", "Prompt tokens of the requests served.", ml, registry=reg
-        ).labels(model)
-        self.generation_tokens = Counter(
-            prefix + "generation_tokens", "Tokens streamed to clients.", ml, registry=reg
-        ).labels(model)
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of the requests served.")
+        self.generation_tokens = self._counter("generation_tokens", "Tokens streamed to clients.")
         self.ttft = self._histogram(
-            reg,
-            prefix + "time_to_first_token_seconds",
-            "Arrival to the first token streamed.",
-            TTFT_BUCKETS,
+            "time_to_first_token_seconds", "Arrival to the first token streamed.", TTFT_BUCKETS
         )
         self.itl = self._histogram(
-            reg,
-            prefix + "inter_token_latency_seconds",
+            "inter_token_latency_seconds",
             "Gap between consecutive token-bearing messages of a sample.",
             ITL_BUCKETS,
         )
         self.e2e = self._histogram(
-            reg,
-            prefix + "e2e_request_latency_seconds",
+            "e2e_request_latency_seconds",
             "Arrival to the end of the stream, requests that ended OK.",
             E2E_BUCKETS,
-        )
-
-    def _histogram(self, reg, name: str, doc: str, buckets) -> Histogram:
-        return Histogram(name, doc, ["model_name"], buckets=buckets, registry=reg).labels(
-            self.model
         )
 
     def requests(self, code: str):
@@ -376,28 +370,19 @@ class _RequestSeries:
         return self._success.labels(self.model, reason)
 
 
-class _VllmSeries:
+class _VllmSeries(_ModelSeries):
     """vLLM's request-level series (metrics_compat="vllm"), with vLLM's meanings."""
 
     def __init__(self, reg: CollectorRegistry, model: str) -> None:
-        v, ml = VLLM_PREFIX, ["model_name"]
-        self.model = model
-        self.prompt_tokens = Counter(
-            v + "prompt_tokens", "Number of prefill tokens processed.", ml, registry=reg
-        ).labels(model)
-        self.generation_tokens = Counter(
-            v + "generation_tokens", "Number of generation tokens processed.", ml, registry=reg
-        ).labels(model)
-        self._success = Counter(
-            v + "request_success",
-            "Count of successfully processed requests.",
-            [*ml, "finished_reason"],
-            registry=reg,
+        super().__init__(reg, VLLM_PREFIX, model)
+        hist = self._histogram
+        self.prompt_tokens = self._counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = self._counter(
+            "generation_tokens", "Number of generation tokens processed."
         )
-
-        def hist(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(v + name, doc, ml, buckets=buckets, registry=reg).labels(model)
-
+        self._success = self._by(
+            "request_success", "Count of successfully processed requests.", "finished_reason"
+        )
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS)
         self.tpot = hist("time_per_output_token_seconds", "Time per output token.", ITL_BUCKETS)

@@ -92,6 +92,17 @@ def tiny_tokenizer(vocab_size: int = 300):
 
 TINY_VOCAB = 320  # >= the tiny tokenizer's 300 ids
 
+# Llama-3 style rope scaling: config.json's rope_parameters (transformers 5's name).
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+_WIDTH_64 = dict(hidden_size=64, intermediate_size=128)  # the small tiny models' widths
+
 # name -> (model_type, config overrides). Group sizes 3, 4, 1 and 3 (9 q over 3 kv).
 TINY_ARCHS: dict[str, tuple[str, dict]] = {
     "llama": (
@@ -101,35 +112,18 @@ TINY_ARCHS: dict[str, tuple[str, dict]] = {
     "llama3": (  # Llama-3 style rope scaling, tied embeddings, 4-way GQA
         "llama",
         dict(
-            hidden_size=64,
+            **_WIDTH_64,
             num_attention_heads=8,
             num_key_value_heads=2,
             head_dim=16,
-            intermediate_size=128,
             tie_word_embeddings=True,
-            rope_parameters=dict(
-                rope_type="llama3",
-                rope_theta=500000.0,
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=64,
-            ),
+            rope_parameters=_LLAMA3_ROPE,
         ),
     ),
-    "qwen2": (
-        "qwen2",
-        dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128),
-    ),
+    "qwen2": ("qwen2", dict(**_WIDTH_64, num_attention_heads=4, num_key_value_heads=4)),
     "qwen3": (
         "qwen3",
-        dict(
-            hidden_size=64,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            head_dim=16,
-            intermediate_size=128,
-        ),
+        dict(**_WIDTH_64, num_attention_heads=9, num_key_value_heads=3, head_dim=16),
     ),
 }
 

@@ -17,12 +17,12 @@ parameter combination that really used to crash the sampler is run as it is.
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
 import torch
 from builders import one_torch_thread, tiny_checkpoint  # noqa: F401
+from test_workers import started_workers, tokenized, wait_clean
 
 from pagedserve.common.api.outputs import ErrorKind, FinishReason, RequestOutput
 from pagedserve.common.api.sampling_params import SamplingParams
@@ -31,10 +31,8 @@ from pagedserve.common.core.detokenizer import IncrementalDetokenizer
 from pagedserve.common.core.engine import LLMEngine
 from pagedserve.common.core.llm import LLM, RequestFailedError
 from pagedserve.common.core.sampler import Sampler
-from pagedserve.common.runtime.protocol import sampling_to_pb
 from pagedserve.common.runtime.worker import WorkerConfig, WorkerRuntime
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
-from pagedserve.worker import start_worker
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 FAULT_SEED = 424242  # the marker FaultInjectionSampler fails on
@@ -273,35 +271,11 @@ def test_llm_reports_the_failure_for_that_prompt_only(llm, alone) -> None:
 @pytest.fixture(scope="module")
 def workers():
     ec = engine_config()
-    rts = {
-        "pre": start_worker(WorkerConfig("iso-p", "prefill", ec)),
-        "dec": start_worker(WorkerConfig("iso-d", "decode", ec)),
-    }
-    for rt in rts.values():  # swapped on the loop thread, before any request
-        rt.loop.call(lambda e: setattr(e, "sampler", FaultInjectionSampler()))
-    yield rts
-    for rt in rts.values():
-        rt.stop(grace=0.2)
-
-
-def tokenized(rid: str, prompt: list[int], params: SamplingParams):
-    return worker_pb2.TokenizedRequest(
-        request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_pb(params)
-    )
-
-
-def wait_clean(*rts: WorkerRuntime) -> None:
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        busy = [rt for rt in rts if rt.engine.block_manager.usage() > 0 or rt.engine.requests]
-        busy += [rt for rt in rts if rt.kv_source.open_leases]
-        if not busy:
-            break
-        time.sleep(0.05)
-    for rt in rts:
-        rt.check_integrity()
-        assert rt.engine.block_manager.usage() == 0.0 and not rt.engine.requests
-        assert rt.kv_source.open_leases == 0
+    prefill, decode = WorkerConfig("iso-p", "prefill", ec), WorkerConfig("iso-d", "decode", ec)
+    with started_workers({"pre": prefill, "dec": decode}) as rts:
+        for rt in rts.values():  # swapped on the loop thread, before any request
+            rt.loop.call(lambda e: setattr(e, "sampler", FaultInjectionSampler()))
+        yield rts
 
 
 def decode_stub(rt: WorkerRuntime):

@@ -28,21 +28,22 @@ from pagedserve.common.core import loader
 from pagedserve.common.core.kv_cache import KVCache, num_blocks_for_budget
 from pagedserve.common.core.loader import load_model, resolve_model_dir
 
-SMOLLM_CONFIG = dict(
-    model_type="llama",
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+# SmolLM2-135M's config.json, in part (tests override fields: {**SMOLLM_CONFIG, ...}).
+SMOLLM_CONFIG = {
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 
 
 # ---- ModelSpec ------------------------------------------------------------------------

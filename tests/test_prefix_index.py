@@ -121,6 +121,30 @@ def index(make_index) -> PrefixIndex:
     return make_index()
 
 
+@pytest.fixture
+def redis_index(redis_server: str, unique_namespace: str) -> Iterator:
+    """``make(**options)`` -> a RedisPrefixIndex on this test's namespace; teardown empties
+    the namespace and closes every index made."""
+    created: list[RedisPrefixIndex] = []
+
+    def make(**options) -> RedisPrefixIndex:
+        created.append(RedisPrefixIndex(redis_server, unique_namespace, **options))
+        return created[-1]
+
+    yield make
+    for index in created:
+        delete_namespace(index)
+        index.close()
+
+
+@pytest.fixture
+def redis_client(redis_server: str) -> Iterator[redis.Redis]:
+    """A plain client of the session's server, to look at the keys directly."""
+    client = redis.Redis.from_url(redis_server)
+    yield client
+    client.close()
+
+
 # -- building blocks ----------------------------------------------------------
 
 
@@ -599,71 +623,69 @@ def commandstats(client: redis.Redis) -> dict[str, int]:
     return {name: stats["calls"] for name, stats in client.info("commandstats").items()}
 
 
-def test_redis_match_is_one_round_trip(redis_server: str, unique_namespace: str) -> None:
-    index = RedisPrefixIndex(redis_server, unique_namespace)
-    try:
-        index.load_scripts()
-        join(index, "A", CHAIN[:5])
-        join(index, "B", CHAIN[:2])
-        probe = redis.Redis.from_url(redis_server)
-        before = commandstats(probe)  # also opens probe's connection before MONITOR starts
-        marker = f"end-{uuid.uuid4().hex}"
-        with redis.Redis.from_url(redis_server).monitor() as monitor:
-            assert index.match(CHAIN) == {"A": 5, "B": 2}
-            probe.echo(marker)
-            seen = []
-            while marker not in (entry := monitor.next_command())["command"]:
-                seen.append(entry)
-        after = commandstats(probe)
+def test_redis_match_is_one_round_trip(redis_server: str, redis_index, redis_client) -> None:
+    index = redis_index()
+    index.load_scripts()
+    join(index, "A", CHAIN[:5])
+    join(index, "B", CHAIN[:2])
+    probe = redis_client
+    before = commandstats(probe)  # also opens probe's connection before MONITOR starts
+    marker = f"end-{uuid.uuid4().hex}"
+    with redis.Redis.from_url(redis_server).monitor() as monitor:
+        assert index.match(CHAIN) == {"A": 5, "B": 2}
+        probe.echo(marker)
+        seen = []
+        while marker not in (entry := monitor.next_command())["command"]:
+            seen.append(entry)
+    after = commandstats(probe)
 
-        from_clients = [e["command"].split()[0].upper() for e in seen if e["client_type"] != "lua"]
-        in_script = [e["command"].split()[0].upper() for e in seen if e["client_type"] == "lua"]
-        assert from_clients == ["EVALSHA"]
-        # Registry + 2 liveness checks, then blocks 0..5: block 5 is held by nobody, so
-        # the walk stops there and blocks 6 and 7 are never read.
-        assert in_script == ["SMEMBERS", "EXISTS", "EXISTS"] + ["SMEMBERS"] * 6
-        assert after["cmdstat_evalsha"] - before["cmdstat_evalsha"] == 1
-        probe.close()
-    finally:
-        delete_namespace(index)
-        index.close()
+    from_clients = [e["command"].split()[0].upper() for e in seen if e["client_type"] != "lua"]
+    in_script = [e["command"].split()[0].upper() for e in seen if e["client_type"] == "lua"]
+    assert from_clients == ["EVALSHA"]
+    # Registry + 2 liveness checks, then blocks 0..5: block 5 is held by nobody, so
+    # the walk stops there and blocks 6 and 7 are never read.
+    assert in_script == ["SMEMBERS", "EXISTS", "EXISTS"] + ["SMEMBERS"] * 6
+    assert after["cmdstat_evalsha"] - before["cmdstat_evalsha"] == 1
 
 
-def test_redis_storage_layout(redis_server: str, unique_namespace: str) -> None:
-    index = RedisPrefixIndex(redis_server, unique_namespace)
-    client = redis.Redis.from_url(redis_server)
-    try:
-        join(index, "A", CHAIN[:2])
-        join(index, "B", CHAIN[1:2])
-        p = f"ps:{{{unique_namespace}}}:"
-        keys = {k.decode() for k in client.scan_iter(match=index.key_pattern)}
-        assert keys == {
-            f"{p}h:{CHAIN[0].hex()}",
-            f"{p}h:{CHAIN[1].hex()}",
-            f"{p}w:A",
-            f"{p}w:B",
-            f"{p}m:A",
-            f"{p}m:B",
-            f"{p}alive:A",
-            f"{p}alive:B",
-            f"{p}workers",
-        }
-        assert client.smembers(f"{p}h:{CHAIN[1].hex()}") == {b"A", b"B"}
-        assert client.hgetall(f"{p}m:A") == {b"next": b"0", b"resync": b"0"}
-        assert 0 < client.pttl(f"{p}alive:A") <= 60_000
-        index.remove_worker("A")
-        keys = {k.decode() for k in client.scan_iter(match=index.key_pattern)}
-        assert keys == {
-            f"{p}h:{CHAIN[1].hex()}",
-            f"{p}w:B",
-            f"{p}m:B",
-            f"{p}alive:B",
-            f"{p}workers",
-        }
-    finally:
-        delete_namespace(index)
-        index.close()
-        client.close()
+def namespace_keys(client: redis.Redis, index: RedisPrefixIndex) -> set[str]:
+    """Every key of the index's namespace, as read by `client`."""
+    return {k.decode() for k in client.scan_iter(match=index.key_pattern)}
+
+
+def keys_of_only_b(p: str, hashes: Sequence[bytes]) -> set[str]:
+    """The keys of a namespace (key prefix `p`) where worker B alone holds `hashes`:
+    what test_redis_storage_layout spells out, once every other worker is gone."""
+    return {
+        *(f"{p}h:{x.hex()}" for x in hashes),
+        f"{p}w:B",
+        f"{p}m:B",
+        f"{p}alive:B",
+        f"{p}workers",
+    }
+
+
+def test_redis_storage_layout(redis_index, redis_client, unique_namespace: str) -> None:
+    index, client = redis_index(), redis_client
+    join(index, "A", CHAIN[:2])
+    join(index, "B", CHAIN[1:2])
+    p = f"ps:{{{unique_namespace}}}:"
+    assert namespace_keys(client, index) == {
+        f"{p}h:{CHAIN[0].hex()}",
+        f"{p}h:{CHAIN[1].hex()}",
+        f"{p}w:A",
+        f"{p}w:B",
+        f"{p}m:A",
+        f"{p}m:B",
+        f"{p}alive:A",
+        f"{p}alive:B",
+        f"{p}workers",
+    }
+    assert client.smembers(f"{p}h:{CHAIN[1].hex()}") == {b"A", b"B"}
+    assert client.hgetall(f"{p}m:A") == {b"next": b"0", b"resync": b"0"}
+    assert 0 < client.pttl(f"{p}alive:A") <= 60_000
+    index.remove_worker("A")
+    assert namespace_keys(client, index) == keys_of_only_b(p, CHAIN[1:2])
 
 
 def test_redis_outage_raises_then_publishers_repopulate(redis_server_factory) -> None:
@@ -796,9 +818,10 @@ def test_publisher_with_the_block_manager_and_router_hashes(make_index) -> None:
     assert index.match(block_hashes(other, 4, "tiny")) == {"prefill-0": 5}
 
 
-def test_redis_large_lists_move_in_bounded_steps(redis_server: str, unique_namespace: str) -> None:
-    index = RedisPrefixIndex(redis_server, unique_namespace, max_hashes_per_call=100)
-    probe = redis.Redis.from_url(redis_server)
+def test_redis_large_lists_move_in_bounded_steps(
+    redis_index, redis_client, unique_namespace: str
+) -> None:
+    index, probe = redis_index(max_hashes_per_call=100), redis_client
     p = f"ps:{{{unique_namespace}}}:"
     old = [h(i, "old") for i in range(1000)]
     new = old[750:] + [h(i, "new") for i in range(250)]  # 500 hashes, 250 kept
@@ -808,48 +831,36 @@ def test_redis_large_lists_move_in_bounded_steps(redis_server: str, unique_names
         action()
         return commandstats(probe)["cmdstat_evalsha"] - before
 
-    try:
-        index.load_scripts()  # so no call below is a NOSCRIPT miss
-        index.heartbeat("A", 60)
-        # begin (nothing to drain) + 10 chunks of 100.
-        assert scripts_run(lambda: index.resync("A", old, 0)) == 1 + 10
-        assert index.worker_hashes("A") == set(old)
-        # begin drains 100 of the 1000 old hashes, 9 more drain steps, 5 chunks of 100.
-        assert scripts_run(lambda: index.resync("A", new, 5)) == 1 + 9 + 5
-        assert index.worker_hashes("A") == set(new)
-        assert index.match(old[:1]) == {"A": 0}
-        assert index.match(new[:300]) == {"A": 300}
-        assert index.worker_state("A") == WorkerIndexState(next_seq=5, needs_resync=False)
+    index.load_scripts()  # so no call below is a NOSCRIPT miss
+    index.heartbeat("A", 60)
+    # begin (nothing to drain) + 10 chunks of 100.
+    assert scripts_run(lambda: index.resync("A", old, 0)) == 1 + 10
+    assert index.worker_hashes("A") == set(old)
+    # begin drains 100 of the 1000 old hashes, 9 more drain steps, 5 chunks of 100.
+    assert scripts_run(lambda: index.resync("A", new, 5)) == 1 + 9 + 5
+    assert index.worker_hashes("A") == set(new)
+    assert index.match(old[:1]) == {"A": 0}
+    assert index.match(new[:300]) == {"A": 300}
+    assert index.worker_state("A") == WorkerIndexState(next_seq=5, needs_resync=False)
 
-        # A dies: B's heartbeats reap it at once and unlink its 500 hashes 100 at a time.
+    # A dies: B's heartbeats reap it at once and unlink its 500 hashes 100 at a time.
+    index.heartbeat("B", 60)
+    index.resync("B", new[:3], 0)
+    index.heartbeat("A", 0.2)
+    assert wait_until(lambda: index.match(new) == {"B": 3})
+    index.heartbeat("B", 60)
+    assert index.worker_hashes("A") == set()
+    assert probe.smembers(f"{p}draining") == {b"A"}
+    assert probe.scard(f"{p}old:A") == 400
+    for left in (300, 200, 100, 0):
         index.heartbeat("B", 60)
-        index.resync("B", new[:3], 0)
-        index.heartbeat("A", 0.2)
-        assert wait_until(lambda: index.match(new) == {"B": 3})
-        index.heartbeat("B", 60)
-        assert index.worker_hashes("A") == set()
-        assert probe.smembers(f"{p}draining") == {b"A"}
-        assert probe.scard(f"{p}old:A") == 400
-        for left in (300, 200, 100, 0):
-            index.heartbeat("B", 60)
-            assert probe.scard(f"{p}old:A") == left
-        keys = {k.decode() for k in probe.scan_iter(match=index.key_pattern)}
-        assert keys == {
-            *(f"{p}h:{x.hex()}" for x in new[:3]),
-            f"{p}w:B",
-            f"{p}m:B",
-            f"{p}alive:B",
-            f"{p}workers",
-        }
-        # A big apply is split into pieces of 100 events with consecutive numbers.
-        events = stored(*old[:250])
-        assert scripts_run(lambda: index.apply(batch("B", 0, events))) == 3
-        assert index.worker_state("B") == WorkerIndexState(next_seq=250, needs_resync=False)
-        assert index.match(old) == {"B": 250}
-    finally:
-        delete_namespace(index)
-        index.close()
-        probe.close()
+        assert probe.scard(f"{p}old:A") == left
+    assert namespace_keys(probe, index) == keys_of_only_b(p, new[:3])
+    # A big apply is split into pieces of 100 events with consecutive numbers.
+    events = stored(*old[:250])
+    assert scripts_run(lambda: index.apply(batch("B", 0, events))) == 3
+    assert index.worker_state("B") == WorkerIndexState(next_seq=250, needs_resync=False)
+    assert index.match(old) == {"B": 250}
 
 
 def test_redis_timeout_is_unavailable(redis_server_factory) -> None:

@@ -138,25 +138,6 @@ def export(pre: WorkerRuntime, rid: str, p: list[int], params: SamplingParams):
     )
 
 
-@contextmanager
-def blocked_loop(rt: WorkerRuntime) -> Iterator[None]:
-    """The worker's engine loop runs a command that waits until the block exits."""
-    entered, release = threading.Event(), threading.Event()
-
-    def block(_engine: LLMEngine) -> None:
-        entered.set()
-        release.wait(30)
-
-    t = threading.Thread(target=lambda: rt.loop.call(block, timeout=60), daemon=True)
-    t.start()
-    assert entered.wait(10)
-    try:
-        yield
-    finally:
-        release.set()
-        t.join(10)
-
-
 # -- 1. cancel during a KV import ------------------------------------------------------
 
 
@@ -381,6 +362,7 @@ def loop_of(engine: LLMEngine) -> Iterator[EngineLoop]:
 
 @contextmanager
 def blocked(loop: EngineLoop) -> Iterator[None]:
+    """The engine loop runs a command that waits until the block exits."""
     entered, release = threading.Event(), threading.Event()
 
     def block(_engine: LLMEngine) -> None:
@@ -529,7 +511,7 @@ def test_rpcs_that_time_out_on_a_busy_loop_leave_nothing(impatient, prefill_work
             timeout=10,
         ),
     }
-    with blocked_loop(rt):
+    with blocked(rt.loop):
         for name, call in calls.items():
             with pytest.raises(grpc.RpcError) as err:
                 call()

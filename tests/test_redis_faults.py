@@ -121,15 +121,6 @@ def fault(redis_server_factory) -> Iterator[Fault]:
         f.admin.close()
 
 
-def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
-
 def stats(worker_id: str, ts: int = 1, model: str = "m@0") -> bytes:
     return worker_pb2.WorkerStats(
         worker_id=worker_id,
@@ -212,7 +203,7 @@ def test_every_redis_error_class_degrades_and_recovers(fault: Fault, kind: str, 
         assert beats.degraded and beats.failures == 1
 
         fault.restore()
-        assert wait_until(lambda: beats.beat(stats("w0", ts=3)))  # once its backoff passed
+        wait_for(lambda: beats.beat(stats("w0", ts=3)), what="a beat once its backoff passed")
         assert not beats.degraded
         assert publisher.tick() and not publisher.degraded
         assert index.worker_hashes("w0") == cached

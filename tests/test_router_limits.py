@@ -268,38 +268,27 @@ def test_stream_of_a_worker_dropped_for_missing_heartbeats_ends_naming_it(fakes)
 # ---- retries: at most once, never for the request's own fault ---------------------------
 
 
-def test_a_batch_failure_is_retried_at_most_once(fakes):
-    failing = [
-        fakes(f"d-{i}", fail=(grpc.StatusCode.INTERNAL, "engine step failed: boom"))
-        for i in range(3)
-    ]
+@pytest.mark.parametrize(
+    ("code", "calls"), [(grpc.StatusCode.INTERNAL, 2), (grpc.StatusCode.INVALID_ARGUMENT, 1)]
+)
+def test_a_batch_failure_is_retried_at_most_once_a_bad_request_never(fakes, code, calls):
+    """INTERNAL (the batch failed): the first choice and one retry. INVALID_ARGUMENT (the
+    request's own fault): no retry. Neither is the worker's death: all stay routable."""
+    failing = [fakes(f"d-{i}", fail=(code, "engine step failed: boom")) for i in range(3)]
     with start_router_in_thread(router_config()) as router:
         for f in failing:
             f.register(router.address)
         with Client(router.address, timeout=30) as c, pytest.raises(grpc.RpcError) as err:
             c.collect(token_ids=ids(500, 5), max_tokens=4, **GREEDY)
-        assert err.value.code() == grpc.StatusCode.INTERNAL
-        assert sum(f.calls for f in failing) == 2  # the first choice and one retry
-        first, second = [f for f in failing if f.calls]
+        assert err.value.code() == code
+        assert sum(f.calls for f in failing) == calls
+        assert counter(router, "decode_retries") == calls - 1
+        last = [f for f in failing if f.calls][-1]
         assert err.value.details() == (
-            f"decode worker {second.worker_id} ({second.address}): engine step failed: boom"
+            f"decode worker {last.worker_id} ({last.address}): engine step failed: boom"
         )
-        assert counter(router, "decode_retries") == 1
-        # INTERNAL is the batch's failure, not the worker's death: both stay routable.
         assert set(router.live_worker_ids()) == {"d-0", "d-1", "d-2"}
         router_is_clean(router)
-
-
-def test_invalid_argument_from_a_worker_is_not_retried(fakes):
-    picky = [fakes(f"d-{i}", fail=(grpc.StatusCode.INVALID_ARGUMENT, "bad")) for i in range(2)]
-    with start_router_in_thread(router_config()) as router:
-        for f in picky:
-            f.register(router.address)
-        with Client(router.address, timeout=30) as c, pytest.raises(grpc.RpcError) as err:
-            c.collect(token_ids=ids(600, 5), max_tokens=4, **GREEDY)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert sum(f.calls for f in picky) == 1
-        assert counter(router, "decode_retries") == 0
 
 
 def test_a_prefill_past_its_bound_falls_back_to_local_prefill(fakes, real_decode):

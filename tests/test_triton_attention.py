@@ -19,6 +19,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import builders
@@ -118,6 +119,52 @@ def reference_attention(
     return out
 
 
+@dataclass
+class Case:
+    """The new tokens' queries over a random paged cache, and the reference to check with."""
+
+    q: torch.Tensor  # [T, num_q_heads, head_dim]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    tables: torch.Tensor
+    query_lens: list[int]
+    seq_lens: list[int]
+    scale: float
+
+    def error(self, out: torch.Tensor, label: str) -> float:
+        """`out`'s relative error against the dense reference (printed under `label`)."""
+        ref = reference_attention(
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.tables,
+            self.query_lens,
+            self.seq_lens,
+            self.scale,
+        )
+        assert out.dtype == self.q.dtype and out.shape == self.q.shape
+        err = rel_err(out, ref)
+        print(f"{label}: rel err {err:.2e}")
+        return err
+
+
+def random_case(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    group: int,
+    dtype: torch.dtype,
+    seed: int,
+    head_dim: int,
+) -> Case:
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(math.ceil(n / block_size) for n in seq_lens) + 3  # + unused blocks
+    k_cache, v_cache = random_cache(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype, gen)
+    tables = random_block_tables(seq_lens, block_size, num_blocks, gen)
+    q = torch.randn(sum(query_lens), NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype)
+    return Case(q, k_cache, v_cache, tables, query_lens, seq_lens, head_dim**-0.5)
+
+
 # ---- decode -------------------------------------------------------------------------
 
 
@@ -130,29 +177,20 @@ def run_decode_case(
     head_dim: int = HEAD_DIM,
     seq_lens: list[int] | None = None,
 ) -> float:
-    gen = torch.Generator().manual_seed(seed)
     seq_lens = seq_lens or context_lengths(block_size)
-    num_blocks = sum(math.ceil(n / block_size) for n in seq_lens) + 3  # + unused blocks
-    k_cache, v_cache = random_cache(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype, gen)
-    tables = random_block_tables(seq_lens, block_size, num_blocks, gen)
-    q = torch.randn(len(seq_lens), NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype)
-    scale = head_dim**-0.5
+    c = random_case([1] * len(seq_lens), seq_lens, block_size, group, dtype, seed, head_dim)
     out = paged_decode_attention(
-        q,
-        k_cache,
-        v_cache,
-        tables,
+        c.q,
+        c.k_cache,
+        c.v_cache,
+        c.tables,
         torch.tensor(seq_lens, dtype=torch.int32),
-        scale,
+        c.scale,
         max_seq_len=max(seq_lens),
         num_splits=num_splits,
         block_n=TILE,
     )
-    ref = reference_attention(q, k_cache, v_cache, tables, [1] * len(seq_lens), seq_lens, scale)
-    assert out.dtype == dtype and out.shape == q.shape
-    err = rel_err(out, ref)
-    print(f"decode bs={block_size} group={group} {dtype} splits={num_splits}: rel err {err:.2e}")
-    return err
+    return c.error(out, f"decode bs={block_size} group={group} {dtype} splits={num_splits}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -195,31 +233,22 @@ def prefill_shapes(block_size: int) -> tuple[list[int], list[int]]:
 def run_prefill_case(
     block_size: int, group: int, dtype: torch.dtype, seed: int, head_dim: int = HEAD_DIM
 ) -> float:
-    gen = torch.Generator().manual_seed(seed)
     query_lens, seq_lens = prefill_shapes(block_size)
-    num_blocks = sum(math.ceil(n / block_size) for n in seq_lens) + 3
-    k_cache, v_cache = random_cache(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype, gen)
-    tables = random_block_tables(seq_lens, block_size, num_blocks, gen)
-    q = torch.randn(sum(query_lens), NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype)
+    c = random_case(query_lens, seq_lens, block_size, group, dtype, seed, head_dim)
     query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
-    scale = head_dim**-0.5
     out = paged_prefill_attention(
-        q,
-        k_cache,
-        v_cache,
+        c.q,
+        c.k_cache,
+        c.v_cache,
         query_start_loc.to(torch.int32),
         torch.tensor(seq_lens, dtype=torch.int32),
-        tables,
-        scale,
+        c.tables,
+        c.scale,
         max_query_len=max(query_lens),
         block_m=TILE,
         block_n=max(TILE, block_size),  # decode covers steps shorter than a block
     )
-    ref = reference_attention(q, k_cache, v_cache, tables, query_lens, seq_lens, scale)
-    assert out.dtype == dtype and out.shape == q.shape
-    err = rel_err(out, ref)
-    print(f"prefill bs={block_size} group={group} {dtype}: rel err {err:.2e}")
-    return err
+    return c.error(out, f"prefill bs={block_size} group={group} {dtype}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

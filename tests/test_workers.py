@@ -7,6 +7,8 @@ thread and gRPC server); the test plays the router's part with the generated stu
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -33,20 +35,33 @@ def engine_config() -> EngineConfig:
     )
 
 
+@contextmanager
+def started_workers(configs: dict[str, WorkerConfig]) -> Iterator[dict[str, WorkerRuntime]]:
+    """The workers of `configs`, by the same keys; all stopped on exit (also those
+    started before one that failed to start)."""
+    rts: dict[str, WorkerRuntime] = {}
+    try:
+        for name, config in configs.items():
+            rts[name] = start_worker(config)
+        yield rts
+    finally:
+        for rt in rts.values():
+            rt.stop(grace=0.2)
+
+
 @pytest.fixture(scope="module")
 def workers():
     ec = engine_config()
-    rts = {
-        "pre": start_worker(WorkerConfig("p0", "prefill", ec)),
-        "dec": start_worker(WorkerConfig("d0", "decode", ec)),
-        "dec_grpc": start_worker(WorkerConfig("d1", "decode", ec, kv_transport="grpc")),
-        "dec_fail": start_worker(
-            WorkerConfig("d2", "decode", ec, kv_transport="grpc", transfer_failure_policy="fail")
+    configs = {
+        "pre": WorkerConfig("p0", "prefill", ec),
+        "dec": WorkerConfig("d0", "decode", ec),
+        "dec_grpc": WorkerConfig("d1", "decode", ec, kv_transport="grpc"),
+        "dec_fail": WorkerConfig(
+            "d2", "decode", ec, kv_transport="grpc", transfer_failure_policy="fail"
         ),
     }
-    yield rts
-    for rt in rts.values():
-        rt.stop(grace=0.2)
+    with started_workers(configs) as rts:
+        yield rts
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +109,7 @@ def wait_clean(*rts: WorkerRuntime, leases: bool = True) -> None:
         time.sleep(0.05)
     for rt in rts:
         rt.check_integrity()
-        assert rt.engine.block_manager.usage() == 0.0
+        assert rt.engine.block_manager.usage() == 0.0 and not rt.engine.requests
         if leases:
             assert rt.kv_source.open_leases == 0
 

@@ -76,7 +76,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -121,6 +121,45 @@ VLLM_SERIES = frozenset(
 )
 PHASES = ("queue", "prefill", "decode", "inference")
 COMPAT_MODES = ("vllm",)
+# The HELP text of each scrape-time series, by name (without prefix or _total): one table,
+# so that the collector below reads as one line a series.
+HELP = {
+    "engine_up": "1 while the engine loop makes progress (0: stuck, or its counters unreadable).",
+    "engine_tick_age_seconds": "Seconds since the engine loop last ended a step or an idle tick.",
+    "kv_open_leases": "Exported KV block sets not yet released.",
+    "kv_leases_expired": "Leases that expired unpulled (their KV was freed): lost work.",
+    "kv_staged_bytes": "Staging memory held by open leases, bytes.",
+    "kv_exports_refused": "KV exports refused at a staging cap (max open leases or staged bytes).",
+    "kv_exports_private": (
+        "KV exports staged in private memory (shared memory full): pulled over gRPC."
+    ),
+    "kv_transfer_pulls": "Successful KV pulls into this worker, by the transport that moved them.",
+    "kv_transfer_bytes": "KV payload bytes pulled into this worker.",
+    "kv_transfer_blocks": (
+        "KV blocks of pulled leases: pulled, or reused (offered but already held here)."
+    ),
+    "kv_transfer_failures": "Failed KV pulls, by cause (see kvtransfer/stats.py).",
+    "kv_transfer_checksum_mismatches": (
+        "KV pulls that failed a chunk checksum (corruption in transit or in staging)."
+    ),
+    "num_requests_running": "Sequences in the running batch.",
+    "num_requests_waiting": "Sequences waiting to be scheduled.",
+    "num_requests_swapped": "Preempted sequences swapped to host memory.",
+    "kv_cache_usage_perc": "Fraction of KV blocks held by sequences (0-1).",
+    "num_blocks": "KV blocks in the pool.",
+    "num_free_blocks": "KV blocks free and not cached.",
+    "num_cached_blocks": "KV blocks free but cached (evictable prefix cache).",
+    "num_used_blocks": "KV blocks held by sequences.",
+    "num_preemptions": "Sequences preempted for lack of blocks.",
+    "prompt_tokens": "Prompt tokens of the requests prefilled here, prefix-cache hits included.",
+    "prompt_tokens_computed": "Prompt tokens computed (prefix-cache hits excluded).",
+    "generation_tokens": "Tokens generated.",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    "prefix_cache_evictions": "Cached blocks evicted (LRU).",
+    "engine_steps": "Engine steps run.",
+    "engine_forward_seconds": "Seconds inside the model forward and logits, summed over steps.",
+}
 
 
 @dataclass(frozen=True)
@@ -175,32 +214,31 @@ class _Families:
             family.add_metric(self.labels, value)
             self.out.append(family)
 
-    def gauge(self, name: str, doc: str, value: float) -> None:
-        self._add(GaugeMetricFamily, name, doc, value)
+    def gauge(self, name: str, value: float) -> None:
+        self._add(GaugeMetricFamily, name, HELP[name], value)
 
-    def counter(self, name: str, doc: str, value: float) -> None:
-        self._add(CounterMetricFamily, name, doc, value)
+    def counter(self, name: str, value: float) -> None:
+        self._add(CounterMetricFamily, name, HELP[name], value)
 
-    def labelled_counter(self, name: str, doc: str, label: str, values: dict[str, float]) -> None:
-        family = CounterMetricFamily(PREFIX + name, doc, labels=(*WORKER_LABELS, label))
+    def labelled_counter(self, name: str, label: str, values: dict[str, float]) -> None:
+        family = CounterMetricFamily(PREFIX + name, HELP[name], labels=(*WORKER_LABELS, label))
         for key, value in values.items():
             family.add_metric([*self.labels, key], value)
         self.out.append(family)
 
 
+@dataclass(eq=False)  # hashed by identity: a registry keys its collectors by them
 class _WorkerCollector(Collector):
     """Turns a WorkerSnapshot into metric families at scrape time."""
 
-    def __init__(
-        self,
-        identity: WorkerIdentity,
-        snapshot: Callable[[], WorkerSnapshot],
-        compat: str | None = None,
-    ) -> None:
-        self.identity = identity
-        self.snapshot = snapshot
-        self.compat = compat
-        self.labels = [identity.model_name, identity.pool, identity.worker]
+    identity: WorkerIdentity
+    snapshot: Callable[[], WorkerSnapshot]
+    compat: str | None = None
+    labels: list[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        ident = self.identity
+        self.labels = [ident.model_name, ident.pool, ident.worker]
 
     def collect(self) -> Iterator[Metric]:
         ident = self.identity
@@ -215,36 +253,16 @@ class _WorkerCollector(Collector):
             yield self._cache_config_info()
         snap = self.snapshot()
         f = _Families(self.labels, self.compat)
-        f.gauge(
-            "engine_up",
-            "1 while the engine loop makes progress (0: stuck, or its counters unreadable).",
-            snap.engine_up and snap.engine is not None,
-        )
-        f.gauge(
-            "engine_tick_age_seconds",
-            "Seconds since the engine loop last ended a step or an idle tick.",
-            snap.tick_age_s,
-        )
-        f.gauge("kv_open_leases", "Exported KV block sets not yet released.", snap.open_leases)
-        f.counter(
-            "kv_leases_expired",
-            "Leases that expired unpulled (their KV was freed): lost work.",
-            snap.expired_leases_total,
-        )
-        f.gauge("kv_staged_bytes", "Staging memory held by open leases, bytes.", snap.staged_bytes)
-        f.counter(
-            "kv_exports_refused",
-            "KV exports refused at a staging cap (max open leases or staged bytes).",
-            snap.exports_refused_total,
-        )
-        f.counter(
-            "kv_exports_private",
-            "KV exports staged in private memory (shared memory full): pulled over gRPC.",
-            snap.exports_private_total,
-        )
+        f.gauge("engine_up", snap.engine_up and snap.engine is not None)
+        f.gauge("engine_tick_age_seconds", snap.tick_age_s)
+        f.gauge("kv_open_leases", snap.open_leases)
+        f.counter("kv_leases_expired", snap.expired_leases_total)
+        f.gauge("kv_staged_bytes", snap.staged_bytes)
+        f.counter("kv_exports_refused", snap.exports_refused_total)
+        f.counter("kv_exports_private", snap.exports_private_total)
         _transfer_families(f, snap.transfer or TransferSnapshot())
         if snap.engine is not None and snap.blocks is not None:
-            _engine_families(f, snap.engine, snap.blocks, snap.prompt_tokens)
+            _engine_families(f, snap, snap.engine, snap.blocks)
         yield from f.out
 
     def _cache_config_info(self) -> GaugeMetricFamily:
@@ -267,75 +285,37 @@ class _WorkerCollector(Collector):
 
 
 def _transfer_families(f: _Families, t: TransferSnapshot) -> None:
+    f.labelled_counter("kv_transfer_pulls", "transport", {k: t.pulls.get(k, 0) for k in TRANSPORTS})
+    f.labelled_counter("kv_transfer_bytes", "transport", {k: t.bytes.get(k, 0) for k in TRANSPORTS})
+    pulled = sum(t.pulled_blocks.values())
     f.labelled_counter(
-        "kv_transfer_pulls",
-        "Successful KV pulls into this worker, by the transport that moved them.",
-        "transport",
-        {k: t.pulls.get(k, 0) for k in TRANSPORTS},
+        "kv_transfer_blocks", "outcome", {"pulled": pulled, "reused": t.reused_blocks}
     )
-    f.labelled_counter(
-        "kv_transfer_bytes",
-        "KV payload bytes pulled into this worker.",
-        "transport",
-        {k: t.bytes.get(k, 0) for k in TRANSPORTS},
-    )
-    f.labelled_counter(
-        "kv_transfer_blocks",
-        "KV blocks of pulled leases: pulled, or reused (offered but already held here).",
-        "outcome",
-        {"pulled": sum(t.pulled_blocks.values()), "reused": t.reused_blocks},
-    )
-    f.labelled_counter(
-        "kv_transfer_failures",
-        "Failed KV pulls, by cause (see kvtransfer/stats.py).",
-        "cause",
-        {c: t.failures.get(c, 0) for c in CAUSES},
-    )
-    f.counter(
-        "kv_transfer_checksum_mismatches",
-        "KV pulls that failed a chunk checksum (corruption in transit or in staging).",
-        t.checksum_mismatches,
-    )
+    f.labelled_counter("kv_transfer_failures", "cause", {c: t.failures.get(c, 0) for c in CAUSES})
+    f.counter("kv_transfer_checksum_mismatches", t.checksum_mismatches)
 
 
-def _engine_families(f: _Families, e: EngineStats, b: BlockManagerStats, prompt: int) -> None:
-    f.gauge("num_requests_running", "Sequences in the running batch.", e.num_running)
-    f.gauge("num_requests_waiting", "Sequences waiting to be scheduled.", e.num_waiting)
-    f.gauge("num_requests_swapped", "Preempted sequences swapped to host memory.", e.num_swapped)
-    f.gauge("kv_cache_usage_perc", "Fraction of KV blocks held by sequences (0-1).", e.kv_usage)
-    f.gauge("num_blocks", "KV blocks in the pool.", b.num_blocks)
-    f.gauge("num_free_blocks", "KV blocks free and not cached.", b.num_free)
-    f.gauge(
-        "num_cached_blocks",
-        "KV blocks free but cached (evictable prefix cache).",
-        b.num_cached_free,
-    )
-    f.gauge("num_used_blocks", "KV blocks held by sequences.", b.num_used)
-    f.counter("num_preemptions", "Sequences preempted for lack of blocks.", e.num_preemptions)
-    f.counter(
-        "prompt_tokens",
-        "Prompt tokens of the requests prefilled here, prefix-cache hits included.",
-        prompt,
-    )
-    f.counter(
-        "prompt_tokens_computed",
-        "Prompt tokens computed (prefix-cache hits excluded).",
-        e.prefill_tokens,
-    )
-    f.counter("generation_tokens", "Tokens generated.", e.decode_tokens)
-    f.counter(
-        "prefix_cache_queries",
-        "Prompt tokens looked up in the prefix cache.",
-        e.prefix_query_tokens,
-    )
-    f.counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.prefix_hit_tokens)
-    f.counter("prefix_cache_evictions", "Cached blocks evicted (LRU).", b.num_evictions)
-    f.counter("engine_steps", "Engine steps run.", e.num_steps)
-    f.counter(
-        "engine_forward_seconds",
-        "Seconds inside the model forward and logits, summed over steps.",
-        e.forward_s_total,
-    )
+def _engine_families(
+    f: _Families, snap: WorkerSnapshot, e: EngineStats, b: BlockManagerStats
+) -> None:
+    """The engine's series: `e` and `b` are `snap.engine` and `snap.blocks`, known present."""
+    f.gauge("num_requests_running", e.num_running)
+    f.gauge("num_requests_waiting", e.num_waiting)
+    f.gauge("num_requests_swapped", e.num_swapped)
+    f.gauge("kv_cache_usage_perc", e.kv_usage)
+    f.gauge("num_blocks", b.num_blocks)
+    f.gauge("num_free_blocks", b.num_free)
+    f.gauge("num_cached_blocks", b.num_cached_free)
+    f.gauge("num_used_blocks", b.num_used)
+    f.counter("num_preemptions", e.num_preemptions)
+    f.counter("prompt_tokens", snap.prompt_tokens)
+    f.counter("prompt_tokens_computed", e.prefill_tokens)
+    f.counter("generation_tokens", e.decode_tokens)
+    f.counter("prefix_cache_queries", e.prefix_query_tokens)
+    f.counter("prefix_cache_hits", e.prefix_hit_tokens)
+    f.counter("prefix_cache_evictions", b.num_evictions)
+    f.counter("engine_steps", e.num_steps)
+    f.counter("engine_forward_seconds", e.forward_s_total)
 
 
 _PHASE_DOCS = {

@@ -24,7 +24,6 @@ attend causally to every position before them, cached or new.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -55,12 +54,25 @@ class AttentionMetadata:
         return self.num_seqs - self.num_prefills
 
 
-class AttentionBackend(Protocol):
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's new K/V (this step's tokens) and its paged cache, which already holds
+    them when a backend's `attend` runs."""
+
+    k: torch.Tensor  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor  # [T, num_kv_heads, head_dim]
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+class AttentionBackend:
     """Writes the new tokens' K/V into the cache, then attends through block tables.
 
     All K/V of a layer are written before any attention of that layer is computed,
     so a sequence may read blocks that another sequence in the same batch is
     writing in this very step (prefix-cache hits on blocks computed this step).
+    `forward` keeps that order for every backend: a backend implements `attend`
+    (and `check`, for checks that must pass before anything is written).
     """
 
     name: str
@@ -75,7 +87,17 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, num_q_heads, head_dim]
-        ...
+        self.check(q, meta)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, LayerKV(k, v, k_cache, v_cache), meta, scale)
+
+    def check(self, q: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Raises ValueError for metadata that does not fit `q`; nothing checked here."""
+
+    def attend(
+        self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:  # [T, num_q_heads, head_dim]
+        raise NotImplementedError
 
 
 def write_kv(

@@ -77,7 +77,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.common.core.attention import cpu_kernel
-from pagedserve.common.core.attention.base import AttentionMetadata, write_kv
+from pagedserve.common.core.attention.base import AttentionBackend, AttentionMetadata, LayerKV
 
 # Upper bound on one decode chunk's gathered K (the same again for V).
 _CHUNK_BYTES = 3 << 20
@@ -140,7 +140,7 @@ class _ThreadState(threading.local):
         self.buffers: dict[tuple, torch.Tensor] = {}
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(AttentionBackend):
     """Gather-by-block-table + SDPA. Works on any device and dtype torch supports.
 
     `cpu_kernel`: run fp32/bf16 decode and short prefills on the CPU through the
@@ -160,17 +160,10 @@ class TorchAttentionBackend:
             return f"dtype {dtype} is not supported (fp32, fp16, bf16)"
         return None
 
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, num_q_heads, head_dim]
-        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # [T, num_q_heads, head_dim]
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def attend(
+        self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        k, v, k_cache, v_cache = kv.k, kv.v, kv.k_cache, kv.v_cache
         plan = self._get_plan(meta, k_cache)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lib = cpu_kernel.load() if self.cpu_kernel else None

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.common.core.attention.base import AttentionMetadata, write_kv
+from pagedserve.common.core.attention.base import AttentionBackend, AttentionMetadata, LayerKV
 from pagedserve.common.core.attention.triton_common import MAX_HEAD_DIM, SUPPORTED_DTYPES
 from pagedserve.common.core.attention.triton_decode import paged_decode_attention
 from pagedserve.common.core.attention.triton_prefill import paged_prefill_attention
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(AttentionBackend):
     """Paged attention on the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1)."""
 
     name = "triton"
@@ -35,18 +35,13 @@ class TritonAttentionBackend:
             return f"dtype {dtype} is not supported by the Triton kernels (fp32, fp16, bf16)"
         return None
 
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, num_q_heads, head_dim]
-        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # [T, num_q_heads, head_dim]
+    def check(self, q: torch.Tensor, meta: AttentionMetadata) -> None:
         _check_meta(q, meta)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(
+        self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv.k_cache, kv.v_cache
         out = torch.empty_like(q)
         num_pre, num_pre_tokens = meta.num_prefills, meta.num_prefill_tokens
         if num_pre > 0:

@@ -44,19 +44,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pagedserve.common.runtime.prefix_index import connection
 from pagedserve.common.runtime.prefix_index.base import (
     IndexUnavailableError,
     check_ttl,
     check_worker_id,
-)
-from pagedserve.common.runtime.prefix_index.connection import (
-    DEFAULT_SOCKET_TIMEOUT_S,
-    check_namespace,
-    check_url,
-    client_name,
-    connect_redis,
-    redact_url,
-    redis_errors,
 )
 from pagedserve.common.runtime.prefix_index.faults import Backoff, LogLimiter
 
@@ -96,21 +88,21 @@ class RedisWorkerRegistry:
         url: str,
         *,
         key_prefix: str = "ps",
-        socket_timeout_s: float = DEFAULT_SOCKET_TIMEOUT_S,
+        socket_timeout_s: float = connection.DEFAULT_SOCKET_TIMEOUT_S,
         name: str | None = None,
         **connection_options: Any,
     ) -> None:
-        check_url(url)
-        check_namespace(key_prefix)
-        self.url = redact_url(url)
+        connection.check_url(url)
+        connection.check_namespace(key_prefix)
+        self.url = connection.redact_url(url)
         self._members = f"{key_prefix}:{{registry}}:workers"
         self._stats_prefix = f"{key_prefix}:{{registry}}:w:"
         self._probe = f"{key_prefix}:{{registry}}:write-probe"
         self._describe = f"redis worker registry {self.url}"
         self._malformed = LogLimiter(logger)
-        self._redis = connect_redis(
+        self._redis = connection.connect_redis(
             url,
-            name=name or client_name("registry"),
+            name=name or connection.client_name("registry"),
             socket_timeout_s=socket_timeout_s,
             **connection_options,
         )
@@ -133,7 +125,7 @@ class RedisWorkerRegistry:
 
     def _write(self, worker_id: str, value: bytes, ttl_s: float, what: str) -> None:
         ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
-        with redis_errors(self._describe, what):
+        with connection.redis_errors(self._describe, what):
             pipe = self._redis.pipeline(transaction=True)
             pipe.set(self.stats_key(worker_id), value, px=ttl_ms)
             pipe.sadd(self._members, worker_id)
@@ -144,7 +136,7 @@ class RedisWorkerRegistry:
 
         Raises :class:`IndexUnavailableError` when Redis cannot be read *or written*.
         """
-        with redis_errors(self._describe, "read"):
+        with connection.redis_errors(self._describe, "read"):
             flat = self._read(keys=[self._members, self._probe], args=[self._stats_prefix])
         entries = {}
         for raw, value in zip(flat[::2], flat[1::2], strict=True):
@@ -185,7 +177,7 @@ class RegistryPublisher:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.worker_id = check_worker_id(worker_id)
-        self.registry = RedisWorkerRegistry(url, name=client_name("worker", worker_id))
+        self.registry = RedisWorkerRegistry(url, name=connection.client_name("worker", worker_id))
         self.ttl_s = check_ttl(ttl_s)
         self.backoff = Backoff(retry_s, max_retry_s, clock=clock)
         self.failures = 0

@@ -14,6 +14,7 @@ answers FAILED_PRECONDITION with what to do instead.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -84,13 +85,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             except Exception as e:  # a worker that did not start, Ray gone, ...
                 logger.exception("scale failed")
                 await context.abort(grpc.StatusCode.INTERNAL, f"scale failed: {e}")
-        return admin_pb2.ScaleResponse(
-            started=result.started,
-            stopped=result.stopped,
-            cut=result.cut,
-            prefill=result.prefill,
-            decode=result.decode,
-        )
+        return admin_pb2.ScaleResponse(**dataclasses.asdict(result))  # the same fields
 
 
 def cluster_status(router: Router) -> admin_pb2.ClusterStatus:
@@ -100,14 +95,13 @@ def cluster_status(router: Router) -> admin_pb2.ClusterStatus:
         router.registry.workers(), key=lambda w: (POOL_ORDER.get(w.stats.pool, 2), w.worker_id)
     )
     adm = router.admission
-    return admin_pb2.ClusterStatus(
+    status = admin_pb2.ClusterStatus(
         model_name=router.frontend.model_name,
         router_address=router.address,
-        requests_inflight=adm.inflight,
-        requests_queued=adm.queued,
-        max_inflight=adm.max_inflight,
-        max_queued=adm.max_queued,
-        workers=[w.stats for w in workers],
-        heartbeat_age_s=[max(0.0, now - w.last_seen) for w in workers],
         scalable=router.scaler is not None,
     )
+    status.requests_inflight, status.requests_queued = adm.inflight, adm.queued
+    status.max_inflight, status.max_queued = adm.max_inflight, adm.max_queued
+    status.workers.extend(w.stats for w in workers)
+    status.heartbeat_age_s.extend(max(0.0, now - w.last_seen) for w in workers)
+    return status

@@ -129,20 +129,11 @@ def test_a_draining_worker_finishes_its_stream_and_takes_no_new_request(cluster)
 
 
 def test_status_table_shape():
-    w = worker_pb2.WorkerStats(
-        worker_id="d0",
-        pool=worker_pb2.WORKER_POOL_DECODE,
-        address="127.0.0.1:9",
-        num_running=2,
-        num_waiting=1,
-        kv_usage=0.25,
-        num_free_blocks=96,
-        num_total_blocks=128,
-        open_leases=0,
-        prefix_query_tokens=200,
-        prefix_hit_tokens=50,
-        draining=True,
-    )
+    w = worker_pb2.WorkerStats(worker_id="d0", pool=worker_pb2.WORKER_POOL_DECODE)
+    w.address, w.draining = "127.0.0.1:9", True
+    w.num_running, w.num_waiting, w.kv_usage = 2, 1, 0.25
+    w.num_free_blocks, w.num_total_blocks = 96, 128
+    w.prefix_query_tokens, w.prefix_hit_tokens = 200, 50
     status = admin_pb2.ClusterStatus(
         model_name="m",
         router_address="127.0.0.1:1",

@@ -33,7 +33,7 @@ import logging
 import signal
 import threading
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -62,6 +62,9 @@ from pagedserve.router.service import (
 )
 from pagedserve.router.watch import DecodeStreams
 from pagedserve.v1 import generation_pb2, index_pb2, index_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+if TYPE_CHECKING:
+    from pagedserve.router.openai_api import OpenAIServer
 
 __all__ = ["Router", "RouterConfig", "RouterHandle", "serve", "start_router_in_thread"]
 logger = logging.getLogger(__name__)
@@ -143,6 +146,7 @@ class Router:
         self.registry.listeners.append(self._on_membership_change)
         self.registry.drop_listeners.append(self._on_worker_left)
         self.metrics = RouterMetrics(self)  # served by start() when config.metrics_port is set
+        self.http: OpenAIServer | None = None  # the OpenAI API, when config.http_port is set
 
     # What tests poke at, where it lives now.
     @property
@@ -196,6 +200,10 @@ class Router:
         self.server = server
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.host, self.config.metrics_port)
+        if self.config.http_port is not None:  # issue 12: the OpenAI-compatible HTTP API
+            from pagedserve.router.openai_api import start_openai_server
+
+            self.http = await start_openai_server(self, self.config.host, self.config.http_port)
         await self._update_health()
         self._sweeper = asyncio.create_task(self._sweep_loop())
         if self.config.redis_url:
@@ -278,6 +286,8 @@ class Router:
         for task in (self._sweeper, self._poller):
             if task is not None:
                 task.cancel()
+        if self.http is not None:  # after the drain: its generations have ended
+            await self.http.stop()
         if self.server is not None:
             await self.server.stop(grace)
         if self._background:

@@ -99,6 +99,8 @@ class ClusterSpec:
     # "pagedserve_prefill" / "pagedserve_decode" (the KubeRay worker groups and the
     # `ray start --resources` of deploy/README.md do): one worker per pod or machine.
     pool_resources: bool = False
+    # issue 12: http. The OpenAI-compatible API on router_host: None = off, 0 = any free.
+    router_http_port: int | None = None
 
 
 class Cluster:
@@ -175,6 +177,7 @@ class Cluster:
                 redis_url=spec.redis_url,  # None: the router hosts the prefix index
                 metrics_port=spec.router_metrics_port,
                 metrics_compat=spec.metrics_compat,  # type: ignore[arg-type]
+                http_port=spec.router_http_port,  # issue 12: http
                 **spec.router_options,
             )
         )
@@ -183,6 +186,8 @@ class Cluster:
             progress(
                 f"router metrics on http://{self.router.router.metrics.server.address}/metrics"
             )
+        if self.router.router.http is not None:  # issue 12: http
+            progress(f"OpenAI-compatible API on http://{self.router.router.http.address}/v1")
         progress(
             f"starting {spec.num_prefill} prefill + {spec.num_decode} decode worker(s) "
             "(loading the model) ..."
@@ -445,6 +450,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="exported KV not pulled within this is freed (e.g. its router died)",
     )
     p.add_argument("--log-level", default="WARNING")
+    # issue 12: http
+    from pagedserve.router.__main__ import add_http_flags
+
+    add_http_flags(p)
     return p
 
 
@@ -492,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         detach_workers=args.detach_workers,
         ray_namespace=args.ray_namespace,
         lease_ttl_s=args.lease_ttl_s,
+        router_http_port=None if args.no_http else args.http_port,  # issue 12: http
     )
     cluster = Cluster(spec)
     signals = StopSignals()

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import sys
 
-from pagedserve.router.config import DEFAULT_PORT, PrefixRouting, RouterConfig
+from pagedserve.router.config import DEFAULT_HTTP_PORT, DEFAULT_PORT, PrefixRouting, RouterConfig
 from pagedserve.router.server import serve
 
 
@@ -62,7 +62,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM/Ctrl-C: seconds the streams in flight get to finish",
     )
     p.add_argument("--log-level", default="INFO")
+    # issue 12: http
+    add_http_flags(p)
     return p
+
+
+def add_http_flags(p: argparse.ArgumentParser) -> None:
+    """--http-port / --no-http (the OpenAI-compatible API; `pagedserve up` uses these too)."""
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help="OpenAI-compatible HTTP API port on --host (0 = any free)",
+    )
+    p.add_argument("--no-http", action="store_true", help="do not serve the HTTP API")
+
+
+def http_port(args: argparse.Namespace) -> int | None:
+    """RouterConfig.http_port from the flags of add_http_flags."""
+    return None if args.no_http else args.http_port
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         redis_url=args.redis_url,
         metrics_port=args.metrics_port,
         metrics_compat=args.metrics_compat,
+        http_port=http_port(args),  # issue 12: http
         prefix=PrefixRouting(
             enabled=not args.no_prefix_routing,
             pull=not args.no_prefix_pull,

@@ -271,6 +271,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 class _Choice:
     index: int
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[gen_pb.TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -315,10 +316,11 @@ class _Format:
     object_chunk = ""
     id_prefix = ""
 
-    def __init__(self, api: OpenAIAPI, n: int, top_logprobs: int) -> None:
+    def __init__(self, api: OpenAIAPI, n: int, top_logprobs: int, token_ids: bool = False) -> None:
         self.api = api
         self.n = n
         self.top = top_logprobs
+        self.token_ids = token_ids  # vLLM's return_token_ids
         self.created = int(time.time())
         self.id = ""
         self.choices: dict[int, _Choice] = {}
@@ -355,11 +357,17 @@ class _Format:
         """Accumulates a response into its choice (non-streaming)."""
         c = self.choice(call, r)
         c.text += r.text
+        c.token_ids.extend(r.token_ids)
         c.logprobs.extend(r.logprobs)
         if r.finish_reason:
             c.finish_reason = FINISH_REASONS.get(r.finish_reason, "stop")
             c.stop_reason = _stop_reason(r)
         return c
+
+    def with_ids(self, choice: dict[str, Any], ids: list[int]) -> dict[str, Any]:
+        if self.token_ids:
+            choice["token_ids"] = ids
+        return choice
 
     def usage_chunk(self, usage: _Usage) -> dict[str, Any]:
         body = self.envelope(self.object_chunk, [])
@@ -394,7 +402,7 @@ class _CompletionFormat(_Format):
 
     def chunk(self, call: int, r: gen_pb.GenerateResponse) -> dict[str, Any] | None:
         c = self.choice(call, r)
-        if not (r.text or r.finish_reason or (r.logprobs and self.top >= 0)):
+        if not (r.text or r.finish_reason or (r.token_ids and (self.top >= 0 or self.token_ids))):
             return None
         finish = FINISH_REASONS.get(r.finish_reason) if r.finish_reason else None
         choice = {
@@ -404,16 +412,17 @@ class _CompletionFormat(_Format):
             "finish_reason": finish,
             "stop_reason": _stop_reason(r),
         }
-        return self.envelope(self.object_chunk, [choice])
+        return self.envelope(self.object_chunk, [self.with_ids(choice, list(r.token_ids))])
 
     def final_choice(self, c: _Choice) -> dict[str, Any]:
-        return {
+        choice = {
             "index": c.index,
             "text": c.text,
             "logprobs": self.logprobs(c, c.logprobs),
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
+        return self.with_ids(choice, c.token_ids)
 
 
 class _ChatFormat(_Format):
@@ -441,7 +450,12 @@ class _ChatFormat(_Format):
         c = self.choice(call, r)
         # A choice's first chunk carries the assistant role (as OpenAI streams it).
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-        if not (first or r.text or r.finish_reason or (r.logprobs and self.top >= 0)):
+        if not (
+            first
+            or r.text
+            or r.finish_reason
+            or (r.token_ids and (self.top >= 0 or self.token_ids))
+        ):
             return None
         finish = FINISH_REASONS.get(r.finish_reason) if r.finish_reason else None
         if r.text:
@@ -453,16 +467,17 @@ class _ChatFormat(_Format):
             "finish_reason": finish,
             "stop_reason": _stop_reason(r),
         }
-        return self.envelope(self.object_chunk, [choice])
+        return self.envelope(self.object_chunk, [self.with_ids(choice, list(r.token_ids))])
 
     def final_choice(self, c: _Choice) -> dict[str, Any]:
-        return {
+        choice = {
             "index": c.index,
             "message": {"role": "assistant", "content": c.text},
             "logprobs": self.logprobs(c.logprobs),
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
+        return self.with_ids(choice, c.token_ids)
 
 
 # -- the API --------------------------------------------------------------------------
@@ -491,7 +506,7 @@ class OpenAIAPI:
         reqs = completion_requests(body)
         self._set_request_ids(request, reqs)
         top = body.logprobs if body.logprobs is not None else -1
-        fmt = _CompletionFormat(self, body.n or 1, top)
+        fmt = _CompletionFormat(self, body.n or 1, top, body.return_token_ids)
         return await self._respond(request, reqs, fmt, body.stream, body.include_usage)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -502,7 +517,7 @@ class OpenAIAPI:
             req.sampling.max_tokens = await self._rest_of_context(req)
         self._set_request_ids(request, [req])
         top = (body.top_logprobs or 0) if body.logprobs else -1
-        fmt = _ChatFormat(self, body.n or 1, top)
+        fmt = _ChatFormat(self, body.n or 1, top, body.return_token_ids)
         return await self._respond(request, [req], fmt, body.stream, body.include_usage)
 
     async def models(self, request: Request) -> Response:

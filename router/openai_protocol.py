@@ -3,7 +3,7 @@
 The models accept what the `openai` SDK and vLLM's clients send: the OpenAI fields,
 plus vLLM's extra sampling fields where pagedserve has the same knob (`top_k`,
 `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
-`cache_salt`). Decisions:
+`cache_salt`, and `return_token_ids`). Decisions:
 - Unknown fields are ignored, as OpenAI and vLLM do (clients send fields of newer
   API versions); fields whose meaning pagedserve cannot honour (`logit_bias`, `echo`,
   `suffix`, `best_of` above `n`, tools, a JSON `response_format`) are refused 400
@@ -85,6 +85,8 @@ class _SamplingFields(BaseModel):
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
+    # vLLM's extra: each choice (and stream chunk) also carries its generated token ids
+    return_token_ids: bool = False
 
     @property
     def include_usage(self) -> bool:

@@ -395,3 +395,20 @@ def test_authorization_header_reaches_the_handler_as_metadata(cluster, api, mode
     finally:
         cluster.router.call(lambda r: setattr(r.dispatcher, "generate", real))
     assert seen and ("authorization", "Bearer sk-test-key") in seen[0]
+
+
+def test_serving_benchmark_drives_the_http_api(cluster, http_address):
+    from benchmarks.serving import Arrival, Phase, RequestSpec, run_phase
+
+    specs = [RequestSpec("short", tuple(range(5, 5 + 10 + i)), 6) for i in range(3)]
+    phase = Phase("http", tuple(Arrival(0.0, s) for s in specs))
+    run = run_phase(f"http://{http_address}", phase, concurrency=2, timeout_s=60.0)
+    assert [r.error for r in run.records] == [None] * 3
+    assert [r.output_tokens for r in run.records] == [6, 6, 6]  # counted by token ids
+    assert all(r.success and r.chunk_times for r in run.records)
+    # The time cap cancels what still runs: the server aborts it, the blocks return.
+    long = Phase("cap", (Arrival(0.0, RequestSpec("long", tuple(range(5, 15)), 240)),))
+    capped = run_phase(f"http://{http_address}", long, timeout_s=0.3)
+    assert not capped.records[0].success
+    wait_for(lambda: not cluster.router.call(lambda r: r.active_requests), what="request to end")
+    cluster.wait_quiescent()

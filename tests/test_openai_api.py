@@ -7,14 +7,16 @@ Greedy answers over HTTP are compared with the gRPC API's for the same request.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import socket
+import urllib.error
 import urllib.request
 
 import openai
 import pytest
-from router_fixtures import ROUTER_CONFIG, start_cluster, wait_for
+from router_fixtures import MAX_MODEL_LEN, ROUTER_CONFIG, start_cluster, wait_for
 
 GREEDY = dict(temperature=0.0)
 MESSAGES = [{"role": "user", "content": "Say something about the sea."}]
@@ -412,3 +414,42 @@ def test_serving_benchmark_drives_the_http_api(cluster, http_address):
     assert not capped.records[0].success
     wait_for(lambda: not cluster.router.call(lambda r: r.active_requests), what="request to end")
     cluster.wait_quiescent()
+
+
+def test_chat_without_max_tokens_may_use_the_rest_of_the_context(api, model):
+    got = api.chat.completions.create(
+        model=model, messages=MESSAGES, extra_body={"ignore_eos": True}, **GREEDY
+    )
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.prompt_tokens + got.usage.completion_tokens == MAX_MODEL_LEN
+
+
+def test_drain_ends_http_streams_with_an_error_event_and_refuses_new_ones_503(model):
+    # A cluster of its own: a drained router stays drained.
+    c = start_cluster(dataclasses.replace(ROUTER_CONFIG, http_port=0), {"decode": 1})
+    try:
+        address = c.router.router.http.address
+        client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="x", max_retries=0)
+        stream = client.completions.create(
+            model=model,
+            prompt="Hi there",
+            max_tokens=240,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        next(chunks)  # streaming
+        drain = asyncio.run_coroutine_threadsafe(c.router.router.drain(0.0), c.router.loop)
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for _ in chunks:
+                pass
+        assert drain.result(30) == 1  # the stream was cut
+        with pytest.raises(openai.InternalServerError) as e:
+            client.completions.create(model=model, prompt="hi", max_tokens=2)
+        assert e.value.status_code == 503 and "shutting down" in e.value.message
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(f"http://{address}/health", timeout=10)
+        assert health.value.code == 503
+        c.wait_quiescent()
+    finally:
+        c.stop()

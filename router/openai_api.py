@@ -700,18 +700,27 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 class OpenAIServer:
-    """uvicorn serving `create_app(router)` on the router's loop (start / stop)."""
+    """uvicorn serving `create_app(router)` on the router's loop (bind, start, stop;
+    Router.start binds before anything else serves, so a taken port fails early)."""
 
     def __init__(self, router: Router, host: str, port: int) -> None:
         self.router = router
         self.host = host
         self.port = port
         self.address = ""
+        self._socket: socket.socket | None = None
         self._server: _Uvicorn | None = None
         self._task: asyncio.Task | None = None
 
+    def bind(self) -> None:
+        """Takes the port now (OSError naming it if taken); `start` serves it."""
+        if self._socket is None:
+            self._socket = _bind(self.host, self.port)
+
     async def start(self) -> str:
-        sock = _bind(self.host, self.port)
+        self.bind()
+        sock = self._socket
+        assert sock is not None
         port = sock.getsockname()[1]
         config = uvicorn.Config(
             create_app(self.router),
@@ -737,7 +746,9 @@ class OpenAIServer:
     async def stop(self) -> None:
         """Closes the listener and the idle connections (Router.stop drains the
         generations first, so no stream is cut here)."""
-        if self._server is None or self._task is None:
+        if self._server is None or self._task is None:  # bound, never served
+            if self._socket is not None:
+                self._socket.close()
             return
         self._server.should_exit = True
         try:
@@ -745,10 +756,3 @@ class OpenAIServer:
         except Exception as e:
             logger.warning("the HTTP server did not stop cleanly: %r", e)
         self._server = None
-
-
-async def start_openai_server(router: Router, host: str, port: int) -> OpenAIServer:
-    """Starts the HTTP API for `router` on host:port (0 = any free port)."""
-    server = OpenAIServer(router, host, port)
-    await server.start()
-    return server

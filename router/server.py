@@ -172,6 +172,13 @@ class Router:
         self._stopped = asyncio.Event()
         self._end_grace = asyncio.Event()
         self._health_lock = asyncio.Lock()
+        # issue 12: the OpenAI-compatible HTTP API takes its port first, so that a port
+        # in use fails before anything serves.
+        if self.config.http_port is not None:
+            from pagedserve.router.openai_api import OpenAIServer
+
+            self.http = OpenAIServer(self, self.config.host, self.config.http_port)
+            self.http.bind()
         # The public server receives what the largest valid request needs, no more.
         limit = self.frontend.max_request_bytes()
         server = grpc.aio.server(
@@ -200,11 +207,11 @@ class Router:
         self.server = server
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.host, self.config.metrics_port)
-        if self.config.http_port is not None:  # issue 12: the OpenAI-compatible HTTP API
-            from pagedserve.router.openai_api import start_openai_server
-
-            self.http = await start_openai_server(self, self.config.host, self.config.http_port)
         await self._update_health()
+        # issue 12: the HTTP API serves after the first health update (gRPC health
+        # reports SERVING until then, so nothing slow may come before it).
+        if self.http is not None:
+            await self.http.start()
         self._sweeper = asyncio.create_task(self._sweep_loop())
         if self.config.redis_url:
             from pagedserve.common.runtime.prefix_index.connection import client_name

@@ -453,3 +453,29 @@ def test_drain_ends_http_streams_with_an_error_event_and_refuses_new_ones_503(mo
         c.wait_quiescent()
     finally:
         c.stop()
+
+
+def test_an_unauthenticated_call_is_401(cluster, http_address, model):
+    # What the auth engineer's check does (context.abort UNAUTHENTICATED), stood in for
+    # here by a handler that refuses every call; the HTTP side maps it to 401.
+    import grpc
+
+    real = cluster.router.router.dispatcher.generate
+
+    async def refuse(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid API key")
+        yield  # an async generator, as Dispatcher.generate
+
+    cluster.router.call(lambda r: setattr(r.dispatcher, "generate", refuse))
+    try:
+        with (
+            openai.OpenAI(
+                base_url=f"http://{http_address}/v1", api_key="wrong", max_retries=0
+            ) as c,
+            pytest.raises(openai.AuthenticationError) as e,
+        ):
+            c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+    finally:
+        cluster.router.call(lambda r: setattr(r.dispatcher, "generate", real))
+    assert e.value.status_code == 401 and e.value.body["message"] == "invalid API key"
+    assert e.value.body["type"] == "authentication_error"

@@ -4,6 +4,7 @@
     python -m benchmarks.serving --model /path/to/ckpt    # any local checkpoint (quick check)
     python -m benchmarks.serving --concurrency 4          # fixed concurrency instead of a rate
     python -m benchmarks.serving --json serving.json
+    python -m benchmarks.serving --api openai             # through the OpenAI HTTP API
 
 A load generator on the router's public gRPC API (`pagedserve.v1.Generation/Generate`,
 server-streaming). Every request is a prompt of seeded random token ids with
@@ -80,6 +81,7 @@ from dataclasses import asdict, dataclass, field, fields
 import grpc
 import numpy as np
 
+from benchmarks.openai_client import open_client  # issue 12: --api openai
 from pagedserve.router.client import Client
 from pagedserve.v1 import generation_pb2 as gen_pb
 
@@ -444,7 +446,7 @@ def run_phase(
     lock = threading.Lock()
     slots = threading.BoundedSemaphore(concurrency) if concurrency else None
     stop = threading.Event()
-    with Client(address) as client:
+    with open_client(address) as client:  # "http://..." = the OpenAI HTTP API
         t0 = time.perf_counter()
         deadline = t0 + timeout_s
 
@@ -857,6 +859,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--phase-timeout-s", type=float, default=120.0, help="cap per phase; then cancel"
     )
     p.add_argument("--json", default=None, metavar="PATH")
+    # issue 12: http
+    p.add_argument(
+        "--api",
+        choices=["grpc", "openai"],
+        default="grpc",
+        help="drive the router's gRPC API or its OpenAI HTTP API (/v1/completions)",
+    )
     p.add_argument(
         "--worker-timeout-s",
         type=float,
@@ -935,7 +944,10 @@ def main(argv: list[str] | None = None) -> int:
             # the running step: a long prefill on this loaded CPU can outlast the 3 s
             # default and get a busy worker dropped from routing.
             worker_timeout_s=args.worker_timeout_s,
-            router_options={"max_model_len": max_model_len},
+            router_options={
+                "max_model_len": max_model_len,
+                **({"http_port": 0} if args.api == "openai" else {}),  # issue 12: http
+            },
         )
         progress(f"{cfg.name}: {cfg.num_prefill} prefill + {cfg.num_decode} decode worker(s)")
         with Cluster(spec) as cluster:
@@ -945,9 +957,12 @@ def main(argv: list[str] | None = None) -> int:
             if phases is None:
                 phases = build_phases(wl, info.vocab_size, info.max_context_len, args.phases)
             progress(f"{cfg.name}: warming up")
-            warm_up(cluster.address, cfg.num_workers, wl.long_prompt_len, info.vocab_size)
+            address = cluster.address  # issue 12: http
+            if args.api == "openai":
+                address = f"http://{cluster.router.router.http.address}"
+            warm_up(address, cfg.num_workers, wl.long_prompt_len, info.vocab_size)
             runs = measure_config(
-                cluster.address,
+                address,
                 phases,
                 concurrency=args.concurrency,
                 timeout_s=args.phase_timeout_s,

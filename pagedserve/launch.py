@@ -118,6 +118,8 @@ class ClusterSpec:
     # "pagedserve_prefill" / "pagedserve_decode" (the KubeRay worker groups and the
     # `ray start --resources` of deploy/README.md do): one worker per pod or machine.
     pool_resources: bool = False
+    # issue 12: http. The OpenAI-compatible API on router_host: None = off, 0 = any free.
+    router_http_port: int | None = None
 
 
 class Cluster:
@@ -192,6 +194,8 @@ class Cluster:
             progress(
                 f"router metrics on http://{self.router.router.metrics.server.address}/metrics"
             )
+        if self.router.router.http is not None:  # issue 12: http
+            progress(f"OpenAI-compatible API on http://{self.router.router.http.address}/v1")
         progress(
             f"starting {spec.num_prefill} prefill + {spec.num_decode} decode worker(s) "
             "(loading the model) ..."
@@ -240,6 +244,7 @@ class Cluster:
             redis_url=spec.redis_url,  # None: the router hosts the prefix index
             metrics_port=spec.router_metrics_port,
             metrics_compat=spec.metrics_compat,
+            http_port=spec.router_http_port,
             **{**linked, **spec.router_options},
         )
 
@@ -513,7 +518,9 @@ def _worker_env() -> dict[str, str]:
 class LaunchOptions:
     """`pagedserve up` flags that configure no component."""
 
-    demo: str | None = None  # answer this one chat message, then stop
+    # answer this one chat message, then stop (over gRPC: no HTTP port is opened, so a
+    # busy port 8000 on this machine cannot stop the demo)
+    demo: str | None = None
     max_tokens: int = DEFAULT_MAX_TOKENS  # for --demo (the same default as `generate`)
 
 
@@ -553,7 +560,10 @@ def parse_spec(argv: list[str] | None = None) -> tuple[ClusterSpec, LaunchOption
         authenticator(spec)
     except ConfigError as e:
         parser.error(str(e))
-    return spec, built["launch"]
+    options = built["launch"]
+    if options.demo is not None:
+        spec = replace(spec, router_http_port=None)
+    return spec, options
 
 
 def authenticator(spec: ClusterSpec) -> Authenticator:

@@ -8,6 +8,10 @@ from typing import Literal
 from pagedserve.common.api.limits import ConfigError, RequestLimits
 
 DEFAULT_PORT = 50051  # the public Generation service; the CLI dials this by default
+# The OpenAI-compatible HTTP API's port in `pagedserve up` and `python -m
+# pagedserve.router` (RouterConfig.http_port itself defaults to off, so that routers
+# built in code, tests among them, never collide on a fixed port).
+DEFAULT_HTTP_PORT = 8000
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,8 @@ class RouterConfig:
     # "vllm": also export the vLLM-named request series (vllm:time_to_first_token_seconds,
     # vllm:prompt_tokens_total, ...) that vLLM's dashboards read; None: pagedserve:* only.
     metrics_compat: Literal["vllm"] | None = None
+    # OpenAI-compatible HTTP API (router/openai_api.py) on `host`: None = off, 0 = any free.
+    http_port: int | None = None
     # -- bounds on the router's internal calls (router/dispatch.py, watch.py) -------
     # Every call to a worker ends within its bound even when the client set no
     # deadline (the client's deadline, when earlier, wins). A Prefill is one prompt's
@@ -177,6 +183,8 @@ class RouterConfig:
             raise ConfigError(
                 f"metrics_port must be in [0, 65535] or None, got {self.metrics_port}"
             )
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ConfigError(f"http_port must be in [0, 65535] or None, got {self.http_port}")
         if self.metrics_compat not in (None, "vllm"):
             raise ConfigError(f"metrics_compat must be 'vllm' or None, got {self.metrics_compat!r}")
         if self.max_inflight < 1:

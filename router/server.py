@@ -33,7 +33,7 @@ import logging
 import signal
 import threading
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -70,6 +70,9 @@ from pagedserve.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+
+if TYPE_CHECKING:
+    from pagedserve.router.openai_api import OpenAIServer
 
 __all__ = ["Router", "RouterConfig", "RouterHandle", "serve", "start_router_in_thread"]
 logger = logging.getLogger(__name__)
@@ -154,6 +157,7 @@ class Router:
         self.registry.listeners.append(self._on_membership_change)
         self.registry.drop_listeners.append(self._on_worker_left)
         self.metrics = RouterMetrics(self)  # served by start() when config.metrics_port is set
+        self.http: OpenAIServer | None = None  # the OpenAI API, when config.http_port is set
 
     # What tests poke at, where it lives now.
     @property
@@ -183,6 +187,13 @@ class Router:
         self._stopped = asyncio.Event()
         self._end_grace = asyncio.Event()
         self._health_lock = asyncio.Lock()
+        # issue 12: the OpenAI-compatible HTTP API takes its port first, so that a port
+        # in use fails before anything serves.
+        if self.config.http_port is not None:
+            from pagedserve.router.openai_api import OpenAIServer
+
+            self.http = OpenAIServer(self, self.config.host, self.config.http_port)
+            self.http.bind()
         # The public server receives what the largest valid request needs, no more.
         limit = self.frontend.max_request_bytes()
         server = grpc.aio.server(
@@ -213,6 +224,10 @@ class Router:
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.host, self.config.metrics_port)
         await self._update_health()
+        # issue 12: the HTTP API serves after the first health update (gRPC health
+        # reports SERVING until then, so nothing slow may come before it).
+        if self.http is not None:
+            await self.http.start()
         self._sweeper = asyncio.create_task(self._sweep_loop())
         if self.config.redis_url:
             from pagedserve.common.runtime.prefix_index.connection import client_name
@@ -296,6 +311,8 @@ class Router:
         for task in (self._sweeper, self._poller):
             if task is not None:
                 task.cancel()
+        if self.http is not None:  # after the drain: its generations have ended
+            await self.http.stop()
         if self.server is not None:
             await self.server.stop(grace)
         if self._background:

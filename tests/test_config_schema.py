@@ -26,9 +26,16 @@ import tomllib
 import yaml
 
 import pagedserve
-from pagedserve import cli, launch
+from pagedserve import admin_cli, cli, launch
 from pagedserve.common.api import settings
-from pagedserve.common.api.settings import NOT_FLAGS, Root, Schema, SchemaError, Setting
+from pagedserve.common.api.settings import (
+    CLI_DEFAULTS,
+    NOT_FLAGS,
+    Root,
+    Schema,
+    SchemaError,
+    Setting,
+)
 from pagedserve.common.core.config import EngineConfig, GiB
 from pagedserve.common.runtime.worker import WorkerConfig
 from pagedserve.router import __main__ as router_main
@@ -40,6 +47,7 @@ ADDRESS = "10.0.0.9:50051"  # the router as workers dial it (never dialled here)
 # Dests both entry points take whose defaults differ on purpose (the reason is at the
 # field: ServeOptions.log_level).
 DIFFERENT_DEFAULTS = {"log_level"}
+HTTP_PORT = CLI_DEFAULTS["RouterConfig.http_port"]  # the OpenAI API: on from a command line
 
 
 # Values a field's own check needs (the generic "default + something" would fail it).
@@ -183,9 +191,11 @@ def test_up_reaches_every_field_with_one_value_flags_and_yaml(tmp_path):
 def test_up_defaults_are_the_dataclasses_defaults():
     views = default_views()
     spec = views["spec"]
-    assert dataclasses.replace(spec, router_options={}, worker_options={}) == launch.ClusterSpec()
+    # The dataclasses' defaults, but for the command lines' own (settings.CLI_DEFAULTS).
+    cli_spec = dataclasses.replace(launch.ClusterSpec(), router_http_port=HTTP_PORT)
+    assert dataclasses.replace(spec, router_options={}, worker_options={}) == cli_spec
     # The router the launcher starts, and every worker, get the classes' own defaults.
-    assert views["router"] == RouterConfig()
+    assert views["router"] == RouterConfig(http_port=HTTP_PORT)
     worker = views["worker"]
     derived = {k.split(".")[1] for k in NOT_FLAGS if k.startswith("WorkerConfig.")}
     plain = WorkerConfig(worker_id="decode-1", pool="decode")
@@ -197,7 +207,10 @@ def test_up_defaults_are_the_dataclasses_defaults():
 
 def test_router_reaches_every_field_with_the_same_defaults(tmp_path):
     schema = router_main.settings_schema()
-    assert router_main.parse_config([]) == (RouterConfig(), router_main.ServeOptions())
+    assert router_main.parse_config([]) == (
+        RouterConfig(http_port=HTTP_PORT),
+        router_main.ServeOptions(),
+    )
     values = {s.dest: other_value(s) for s in schema.settings}
     config = tmp_path / "router.yaml"
     config.write_text(yaml.safe_dump(values))
@@ -247,12 +260,17 @@ def test_readme_flags_parse():
     """Every server flag the README mentions is `pagedserve up`'s, and its commands parse."""
     readme = (ROOT / "README.md").read_text()
     up = {f for s in launch.settings_schema().settings for f in s.flags}
-    up |= {"--kv-cache-gib", "--demo", "--max-tokens", "--config", "--version"}
+    up |= {"--kv-cache-gib", "--demo", "--max-tokens", "--config", "--version", "--no-http"}
     up |= {f"--no-{f[2:]}" for f in up}
     client = {o for a in cli.build_parser()._actions for o in a.option_strings}
     for sub in ("generate", "chat"):
         client |= _subparser_flags(sub)
-    other = {"--head", "--json", "--profile"}  # ray start --head; other tools' flags
+    for sub in ("status", "scale"):
+        client |= {o for a in admin_cli.build_parser(sub)._actions for o in a.option_strings}
+    other = {"--head", "--json", "--profile", "--api"}  # ray start --head; benchmarks' flags
+    # `vllm bench serve` against the HTTP API (vLLM's own flags)
+    other |= {"--backend", "--base-url", "--endpoint", "--tokenizer", "--dataset-name"}
+    other |= {"--num-prompts"}
     mentioned = set(re.findall(r"--[a-z][a-z0-9-]+", readme))
     assert mentioned - up - client - other == set()
     for command in _commands(readme, "pagedserve up"):

@@ -131,6 +131,7 @@ def test_drain_finishes_streams_refuses_new_cuts_late_ones_and_frees_blocks():
 def start_router_process(workdir: Path, name: str, port: int) -> subprocess.Popen:
     args = ["--model", str(tiny_checkpoint("llama")), "--port", str(port)]
     args += ["--shutdown-grace-s", "10", "--worker-timeout-s", "30", "--log-level", "WARNING"]
+    args += ["--no-http"]  # routers here restart on one address; HTTP is test_openai_api's
     with open(workdir / f"{name}.err", "w") as err:
         return subprocess.Popen(
             [sys.executable, "-m", "pagedserve.router", *args],
@@ -305,6 +306,7 @@ def launch(tmp_path: Path) -> Iterator:
 
 def tiny_args(*extra: str) -> list[str]:
     return [
+        "--no-http",  # several launchers in a row: no fixed HTTP port (test_openai_api's)
         "--model",
         str(tiny_checkpoint("llama")),
         "--dtype",

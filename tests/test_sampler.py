@@ -350,3 +350,86 @@ def test_mismatched_lengths_are_rejected() -> None:
         sampler(logits, [SamplingParams()] * 2, [None], [[], []], [[], []])
     with pytest.raises(ValueError, match="sampler got 2 logits rows but 3 params"):
         sampler(logits, [SamplingParams()] * 3, [None] * 2, [[], []], [[], []])
+
+
+# --- presence / frequency penalties and min_tokens (issue 12) -------------------------
+
+
+def test_presence_and_frequency_penalties_match_hand_computed_logprobs() -> None:
+    # logit -= frequency * count + presence * (count > 0), over generated tokens only.
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.5, -1.0]])
+    output = [2, 2, 2, 0]  # token 2 three times, token 0 once
+    prompt = [1, 1, 3]  # the prompt never counts
+    p = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.75, logprobs=4)
+    out = run(logits, [p], outputs=[output], prompts=[prompt])
+    expected = [1.0 - 0.75 - 0.5, 2.0, 3.0 - 3 * 0.75 - 0.5, 0.5, -1.0]  # [-0.25, 2, 0.25, .5, -1]
+    lse = math.log(sum(math.exp(v) for v in expected))
+    assert out.token_ids == [1]  # the penalties moved the argmax from 2 to 1
+    lp = out.logprobs[0]
+    assert lp is not None
+    assert lp.logprob == pytest.approx(2.0 - lse, abs=1e-6)
+    assert [t for t, _ in lp.top] == [1, 3, 2, 0]
+    assert [v for _, v in lp.top] == pytest.approx([e - lse for e in (2.0, 0.5, 0.25, -0.25)])
+    assert logits.tolist() == [[1.0, 2.0, 3.0, 0.5, -1.0]]  # the caller's tensor untouched
+
+
+def test_negative_penalties_favour_repeats_and_rows_stay_independent() -> None:
+    logits = torch.tensor([[1.0, 2.0, 1.5], [1.0, 2.0, 1.5], [1.0, 2.0, 1.5]])
+    params = [
+        SamplingParams(temperature=0, presence_penalty=-1.0),  # 1.5 + 1 > 2
+        SamplingParams(temperature=0, frequency_penalty=-0.2),  # 1.5 + 0.2 < 2
+        SamplingParams(temperature=0),  # plain greedy next to penalized rows
+    ]
+    out = run(logits, params, outputs=[[2], [2], [2]])
+    assert out.token_ids == [2, 1, 1]
+
+
+def test_penalties_apply_to_sampled_rows() -> None:
+    # A frequency penalty of 2 on a token seen 10 times drops it by 20: never drawn.
+    row = torch.tensor([5.0, 0.0, 0.0, 0.0])
+    p = SamplingParams(temperature=1.0, frequency_penalty=2.0)
+    g = make_generator(7)
+    out = run(row.expand(300, -1).contiguous(), [p] * 300, [g] * 300, outputs=[[0] * 10] * 300)
+    assert set(out.token_ids) == {1, 2, 3}
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
+    s = Sampler(eos_token_ids=[0])
+    logits = torch.tensor([[9.0, 1.0, 8.0, 2.0]] * 4)
+    params = [
+        SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[2]),  # 2 outputs: masked
+        SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[2]),  # 3 outputs: free
+        SamplingParams(temperature=0, min_tokens=3, ignore_eos=True),  # EOS not a stop here
+        SamplingParams(temperature=0),
+    ]
+    outputs = [[5, 5], [5, 5, 5], [], []]
+    out = s(logits, params, [None] * 4, outputs, [[]] * 4)
+    assert out.token_ids == [3, 0, 0, 0]
+    # Logprobs see the mask: EOS and the stop id have probability 0 under min_tokens.
+    p = SamplingParams(temperature=0, min_tokens=1, stop_token_ids=[2], logprobs=0)
+    lp = s(logits[:1], [p], [None], [[]], [[]]).logprobs[0]
+    assert lp is not None
+    assert lp.token_id == 3
+    assert lp.logprob == pytest.approx(2.0 - math.log(math.exp(1.0) + math.exp(2.0)))
+
+
+def test_min_tokens_never_draws_masked_tokens() -> None:
+    s = Sampler(eos_token_ids=[0, 1])
+    row = torch.tensor([3.0, 3.0, 0.0, 0.0, 0.0])
+    p = SamplingParams(temperature=1.0, min_tokens=5, stop_token_ids=[4])
+    g = make_generator(3)
+    out = s(row.expand(300, -1).contiguous(), [p] * 300, [g] * 300, [[9]] * 300, [[]] * 300)
+    assert set(out.token_ids) == {2, 3}
+
+
+def test_greedy_fast_path_is_kept_for_rows_without_the_new_options(monkeypatch) -> None:
+    calls: list[int] = []
+    real = sampler_module._sanitize
+    monkeypatch.setattr(sampler_module, "_sanitize", lambda t: calls.append(1) or real(t))
+    s = Sampler(eos_token_ids=[0])
+    logits = random_logits(4, 50)
+    plain = SamplingParams(temperature=0, min_tokens=2)  # past its min_tokens: fast path
+    s(logits, [plain] * 4, [None] * 4, [[1, 2]] * 4, [[]] * 4)
+    assert calls == []
+    s(logits, [plain] * 4, [None] * 4, [[1]] * 4, [[]] * 4)  # under it: general path
+    assert calls == [1]

@@ -52,6 +52,15 @@ REJECTED = [
     (dict(stop=["ok", "x" * 257]), "stop[1] has 257 characters; at most 256 are allowed"),
     (dict(stop_token_ids=[1] * 129), "stop_token_ids has 129 ids; at most 128 are allowed"),
     (dict(ignore_eos="yes"), "ignore_eos must be true or false, got 'yes'"),
+    (dict(presence_penalty=2.5), "presence_penalty must be in [-2, 2] (0 means off), got 2.5"),
+    (
+        dict(frequency_penalty=-2.01),
+        "frequency_penalty must be in [-2, 2] (0 means off), got -2.01",
+    ),
+    (dict(frequency_penalty=float("inf")), "frequency_penalty must be a finite number, got inf"),
+    (dict(min_tokens=-1), "min_tokens must be in [0, max_tokens=16], got -1"),
+    (dict(min_tokens=17), "min_tokens must be in [0, max_tokens=16], got 17"),
+    (dict(min_tokens=1.5), "min_tokens must be an integer, got 1.5"),
 ]
 
 

@@ -27,6 +27,14 @@ Decisions:
   at most MAX_STOP_STRINGS stop strings of at most MAX_STOP_STRING_CHARS characters,
   at most MAX_STOP_TOKEN_IDS stop token ids. `logprobs` is at most the engine's
   `max_logprobs` and at most the vocabulary size.
+- `presence_penalty` / `frequency_penalty` have OpenAI's meaning and range [-2, 2]:
+  logit -= frequency_penalty * count + presence_penalty * (count > 0), where count is
+  how often the token occurs in this sample's *generated* tokens (never the prompt,
+  unlike `repetition_penalty`). Applied after the repetition penalty, before
+  temperature.
+- `min_tokens`: EOS tokens (unless `ignore_eos`) and `stop_token_ids` are masked until
+  that many tokens were generated, as vLLM does; stop *strings* still end a sample
+  early (they are matched on text, after sampling). At most `max_tokens`.
 """
 
 from __future__ import annotations
@@ -61,6 +69,9 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1  # parallel samples of the same prompt
     logprobs: int | None = None  # top logprobs per token; 0 = only the chosen token's
+    presence_penalty: float = 0.0  # in [-2, 2]; 0 = off (OpenAI semantics, output only)
+    frequency_penalty: float = 0.0  # in [-2, 2]; 0 = off (OpenAI semantics, output only)
+    min_tokens: int = 0  # EOS and stop token ids masked until this many were generated
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +107,14 @@ class SamplingParams:
         _check_number("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             _fail("repetition_penalty", self.repetition_penalty, "must be > 0 (1 means off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -2 <= value <= 2:
+                _fail(name, value, "must be in [-2, 2] (0 means off)")
+        _check_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            _fail("min_tokens", self.min_tokens, f"must be in [0, max_tokens={self.max_tokens}]")
         if self.seed is not None:
             _check_int("seed", self.seed)
         self._validate_n(max_n)

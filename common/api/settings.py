@@ -78,6 +78,7 @@ FLAG_NAMES: dict[str, tuple[str, ...]] = {
     "ClusterSpec.router_port": ("--port",),
     "ClusterSpec.router_advertise_host": ("--advertise-host",),
     "ClusterSpec.router_metrics_port": ("--metrics-port",),
+    "ClusterSpec.router_http_port": ("--http-port",),  # RouterConfig.http_port's flag
     # EngineConfig: vLLM's `--kv-cache-memory-bytes`; threads per worker as before.
     "EngineConfig.num_threads": ("--threads-per-worker",),
     "CacheConfig.kv_cache_bytes": ("--kv-cache-memory-bytes",),
@@ -127,6 +128,17 @@ NOT_FLAGS: dict[str, str] = {
 UNIT_FLAGS: dict[str, tuple[str, int, str]] = {
     "CacheConfig.kv_cache_bytes": ("--kv-cache-gib", GiB, "GiB"),
 }
+
+# "Class.field" -> its default on the command lines, where it differs from the
+# dataclass's. The OpenAI-compatible HTTP API is on by default for `pagedserve up` and
+# `python -m pagedserve.router` (port 8000, as `vllm serve`), while a router built in
+# code (tests, embedding) binds no HTTP port unless asked: two of them in one process
+# would collide on a fixed port. `--no-http` (HTTP_OFF_FLAG) turns it off.
+CLI_DEFAULTS: dict[str, Any] = {
+    "RouterConfig.http_port": 8000,
+    "ClusterSpec.router_http_port": 8000,
+}
+HTTP_OFF_FLAG = "--no-http"
 
 # "Class.field" -> an environment variable read when the flag is not given (as
 # `vllm serve --api-key` reads VLLM_API_KEY). Never shown as a default in --help.
@@ -266,7 +278,7 @@ class Schema:
                     path=here,
                     key=key,
                     type=tp,
-                    default=None if group is not None else _field_default(f),
+                    default=None if group is not None else CLI_DEFAULTS.get(key, _field_default(f)),
                     help=text,
                     optional_group=group,
                 )
@@ -290,6 +302,13 @@ class Schema:
         p.add_argument("--version", action="version", version=f"%(prog)s {self.version}")
         if self.extra is not None:
             self.extra(p)
+        if any(s.key in CLI_DEFAULTS and s.flags[0] == "--http-port" for s in self.settings):
+            p.add_argument(
+                HTTP_OFF_FLAG,
+                action="store_true",
+                default=False,
+                help="do not serve the OpenAI-compatible HTTP API (--http-port)",
+            )
         for s in self.settings:
             self._add(p, s)
         return p
@@ -348,6 +367,8 @@ class Schema:
             given = args[unit[0].lstrip("-").replace("-", "_")]
             if given is not None:
                 value = int(given * unit[1])
+        if s.flags[0] == "--http-port" and getattr(args, "no_http", False):
+            value = None
         env = ENV_VARS.get(s.key)
         if env is not None and value == s.default and os.environ.get(env):
             value = os.environ[env]
@@ -483,6 +504,7 @@ LAUNCHER_LINKS: dict[str, str] = {
     "RouterConfig.host": "router_host",
     "RouterConfig.port": "router_port",
     "RouterConfig.metrics_port": "router_metrics_port",
+    "RouterConfig.http_port": "router_http_port",
     # The router refuses what the workers would refuse: the engine's limits.
     "RouterConfig.max_model_len": "engine.scheduler.max_model_len",
     "RouterConfig.max_n": "engine.max_n",

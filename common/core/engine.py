@@ -151,10 +151,10 @@ class LLMEngine:
         swapper = HostSwapper(self.kv_cache) if cc.preemption_mode == "swap" else None
         self.scheduler = Scheduler(config.scheduler, cc, self.block_manager, swapper)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager)
-        self.sampler = Sampler()
         self.eos_token_ids = set(spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.sampler = Sampler(self.eos_token_ids)  # masks EOS under a request's min_tokens
         self.requests: dict[str, Request] = {}
         # The prefill/decode KV hand-off (held, importing, pinned; see handoff.py).
         self.handoff = KVHandoff(self)

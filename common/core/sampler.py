@@ -3,11 +3,13 @@
 Order of operations per row (the HF "logits processors then warpers" order):
 
     repetition penalty  (over prompt + output tokens, HF semantics)
+    -> presence / frequency penalties (over output tokens only, OpenAI semantics)
+    -> min_tokens: EOS and stop token ids masked while the output is shorter
     -> greedy rows: argmax, done
     -> temperature -> top_k -> top_p -> min_p -> draw with the row's generator
 
-Logprobs, when asked for, are those of the distribution after the repetition penalty
-but before temperature, top-k, top-p and min-p: log_softmax of the penalized logits.
+Logprobs, when asked for, are those of the distribution after the penalties and the
+min_tokens mask but before temperature, top-k, top-p and min-p: log_softmax of the penalized logits.
 They do not change with the sampling knobs, and a greedy row's chosen token is the
 top-1 of its logprobs.
 
@@ -32,7 +34,12 @@ Decisions:
   while the mass strictly before it is < top_p (so the top token always stays),
   computed after top-k renormalizes.
 - The caller's `logits` tensor is never modified.
-- Fast path: when every row is greedy, unpenalized and asks no logprobs, the batch is
+- Presence / frequency penalties are one scatter over the (row, token) pairs of the
+  penalized rows' outputs (`index_put_` with accumulate: the frequency term adds up per
+  occurrence), never a [N, V] count tensor; the min_tokens mask is one scatter of -inf
+  over (row, EOS or stop id) pairs. Rows that use neither cost nothing.
+- Fast path: when every row is greedy, unpenalized (repetition, presence and
+  frequency), past its min_tokens and asks no logprobs, the batch is
   one `argmax` and one `tolist()`: no per-row Python work, no sort. A row whose argmax
   lands on a NaN takes the general path (below), so a greedy row picks the same token
   whatever its neighbours ask for.
@@ -95,7 +102,15 @@ def make_generator(
 
 
 class Sampler:
-    """Stateless: all per-request state (RNG, history) comes in with each call."""
+    """Stateless: all per-request state (RNG, history) comes in with each call.
+
+    `eos_token_ids`: the model's EOS set, masked for rows under their `min_tokens`
+    (unless they `ignore_eos`); the engine passes its own set."""
+
+    eos_token_ids: tuple[int, ...] = ()  # (a class default too: subclasses may skip __init__)
+
+    def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
+        self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
 
     def __call__(
         self,
@@ -107,15 +122,18 @@ class Sampler:
     ) -> SampleOutput:
         n = logits.shape[0]
         _check_lengths(n, params, generators, output_token_ids, prompt_token_ids)
-        if all(_is_plain_greedy(p) for p in params):
+        if all(_is_plain_greedy(p, len(o)) for p, o in zip(params, output_token_ids, strict=True)):
             fast = _fast_greedy(logits)
             if fast is not None:
                 return SampleOutput(fast, [None] * n)
 
         logits = logits.float()  # [N, V]
-        penalized = _sanitize(
-            _apply_repetition_penalty(logits, params, output_token_ids, prompt_token_ids)
-        )  # [N, V], not written to (the caller's tensor when nothing changes it)
+        penalized = _apply_repetition_penalty(logits, params, output_token_ids, prompt_token_ids)
+        penalized = _apply_output_penalties(penalized, logits, params, output_token_ids)
+        penalized = _mask_before_min_tokens(
+            penalized, logits, params, output_token_ids, self.eos_token_ids
+        )
+        penalized = _sanitize(penalized)  # [N, V], not written to (may be the caller's)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         sample_rows = [i for i, p in enumerate(params) if not p.greedy]
         chosen = torch.empty(n, dtype=torch.long, device=logits.device)  # [N]
@@ -176,8 +194,90 @@ def _sanitize(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _is_plain_greedy(p: SamplingParams) -> bool:
-    return p.temperature == 0 and p.repetition_penalty == 1.0 and p.logprobs is None
+def _is_plain_greedy(p: SamplingParams, output_len: int) -> bool:
+    return (
+        p.temperature == 0
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0
+        and p.frequency_penalty == 0
+        and output_len >= p.min_tokens
+        and p.logprobs is None
+    )
+
+
+def _writable(t: torch.Tensor, caller: torch.Tensor) -> torch.Tensor:
+    """`t` itself when an earlier step already copied it, else a copy: the caller's
+    logits are never written to."""
+    return t.clone() if t is caller else t
+
+
+def _apply_output_penalties(
+    logits: torch.Tensor,  # [N, V] float32, maybe the caller's
+    caller: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """OpenAI semantics: logit -= frequency * count + presence * (count > 0), count =
+    occurrences in the row's generated tokens. One accumulating scatter for the
+    frequency term (one entry per occurrence), one plain scatter for the presence
+    term (one entry per distinct token)."""
+    f_rows: list[int] = []
+    f_cols: list[int] = []
+    f_vals: list[float] = []
+    p_rows: list[int] = []
+    p_cols: list[int] = []
+    p_vals: list[float] = []
+    for i, p in enumerate(params):
+        out = output_token_ids[i]
+        if not out:
+            continue
+        if p.frequency_penalty != 0:
+            f_rows.extend([i] * len(out))
+            f_cols.extend(out)
+            f_vals.extend([-p.frequency_penalty] * len(out))
+        if p.presence_penalty != 0:
+            seen = set(out)
+            p_rows.extend([i] * len(seen))
+            p_cols.extend(seen)
+            p_vals.extend([-p.presence_penalty] * len(seen))
+    if not f_rows and not p_rows:
+        return logits
+    out_t = _writable(logits, caller)
+    device = logits.device
+    for rows, cols, vals in ((f_rows, f_cols, f_vals), (p_rows, p_cols, p_vals)):
+        if rows:
+            index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+            out_t.index_put_(index, torch.tensor(vals, device=device), accumulate=True)
+    return out_t
+
+
+def _mask_before_min_tokens(
+    logits: torch.Tensor,  # [N, V] float32, maybe the caller's
+    caller: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+    eos_token_ids: Sequence[int],
+) -> torch.Tensor:
+    """-inf at the EOS ids (unless ignore_eos) and stop token ids of every row that has
+    generated fewer than its min_tokens. Ids outside the row are skipped (a stop id is
+    checked against the vocabulary at validation; an EOS id of a config may not be)."""
+    vocab = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, p in enumerate(params):
+        if len(output_token_ids[i]) >= p.min_tokens:
+            continue
+        banned = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            banned.update(eos_token_ids)
+        banned = {t for t in banned if 0 <= t < vocab}
+        rows.extend([i] * len(banned))
+        cols.extend(banned)
+    if not rows:
+        return logits
+    out = _writable(logits, caller)
+    out[torch.tensor(rows, device=out.device), torch.tensor(cols, device=out.device)] = -math.inf
+    return out
 
 
 def _apply_repetition_penalty(

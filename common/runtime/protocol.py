@@ -42,6 +42,13 @@ def sampling_from_pb(msg: gen_pb.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         n=msg.n if msg.HasField("n") else d.n,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        presence_penalty=(
+            msg.presence_penalty if msg.HasField("presence_penalty") else d.presence_penalty
+        ),
+        frequency_penalty=(
+            msg.frequency_penalty if msg.HasField("frequency_penalty") else d.frequency_penalty
+        ),
+        min_tokens=msg.min_tokens if msg.HasField("min_tokens") else d.min_tokens,
     )
 
 
@@ -57,6 +64,9 @@ def sampling_to_pb(p: SamplingParams) -> gen_pb.SamplingParams:
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         n=p.n,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        min_tokens=p.min_tokens,
     )
     if p.seed is not None:
         msg.seed = p.seed

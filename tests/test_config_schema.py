@@ -174,6 +174,7 @@ def test_up_reaches_every_field_with_one_value_flags_and_yaml(tmp_path):
     schema = launch.settings_schema()
     values = {s.dest: other_value(s) for s in schema.settings}
     values["port"] = 50099  # --detach-workers needs a fixed port
+    demo = values.pop("demo")  # --demo turns the HTTP API off: checked on its own below
     from_flags = up_views(as_argv(values, schema))
     config = tmp_path / "up.yaml"
     config.write_text(yaml.safe_dump(values))
@@ -186,6 +187,8 @@ def test_up_reaches_every_field_with_one_value_flags_and_yaml(tmp_path):
             want = get_path(views["spec"], source)
             assert get_path(views[root], path) == want, f"{root}.{'.'.join(path)}"
     assert from_flags == from_yaml
+    spec, options = launch.parse_spec(["--demo", demo, "--http-port", "8001"])
+    assert options.demo == demo and spec.router_http_port is None  # one request, no HTTP
 
 
 def test_up_defaults_are_the_dataclasses_defaults():

@@ -181,6 +181,8 @@ def test_up_reaches_every_field_with_one_value_flags_and_yaml(tmp_path):
     from_yaml = up_views(["--config", str(config)])
     for views in (from_flags, from_yaml):
         for s in schema.settings:
+            if s.dest == "demo":
+                continue
             got = get_path(views[s.root], s.path)
             assert got == values[s.dest], f"{s.flags[0]} -> {s.key}: {got!r}"
         for root, path, source in leaf_links(schema):

@@ -46,11 +46,20 @@ class TLSFiles:
     RouterConfig, WorkerConfig, ClusterSpec): all three, mutual TLS.
     """
 
-    certfile: str
-    keyfile: str
+    # Optional in the signature only so that the flags (--ssl-*, --internal-ssl-*:
+    # common/api/settings.py builds this from whichever were given) get the message
+    # below, not a TypeError; both are required.
+    certfile: str | None = None
+    keyfile: str | None = None
     ca_certs: str | None = None
 
     def __post_init__(self) -> None:
+        if self.certfile is None or self.keyfile is None:
+            raise ConfigError(
+                "TLS needs a certificate and its key: certfile and keyfile "
+                "(--ssl-certfile and --ssl-keyfile, or --internal-ssl-certfile and "
+                "--internal-ssl-keyfile)"
+            )
         for name in ("certfile", "keyfile", "ca_certs"):
             path = getattr(self, name)
             if path is None:
@@ -61,32 +70,10 @@ class TLSFiles:
     def require_ca(self, what: str) -> str:
         """ca_certs, or a ConfigError naming `what` needs it (mutual TLS does)."""
         if self.ca_certs is None:
-            raise ConfigError(f"{what} needs a CA file (ca_certs) to check its peers")
+            raise ConfigError(
+                f"{what} needs a CA file (ca_certs, --internal-ssl-ca-certs) to check its peers"
+            )
         return self.ca_certs
-
-
-def internal_tls_from_flags(
-    certfile: str | None, keyfile: str | None, ca_certs: str | None
-) -> TLSFiles | None:
-    """The three --internal-ssl-* flags: all or none (None = plaintext internally)."""
-    given = [v is not None for v in (certfile, keyfile, ca_certs)]
-    if not any(given):
-        return None
-    if not all(given):
-        raise ConfigError(
-            "mutual TLS needs all three of --internal-ssl-certfile, --internal-ssl-keyfile "
-            "and --internal-ssl-ca-certs"
-        )
-    return TLSFiles(str(certfile), str(keyfile), ca_certs)
-
-
-def public_tls_from_flags(certfile: str | None, keyfile: str | None) -> TLSFiles | None:
-    """--ssl-certfile/--ssl-keyfile: both or none (None = plaintext)."""
-    if certfile is None and keyfile is None:
-        return None
-    if certfile is None or keyfile is None:
-        raise ConfigError("TLS needs both --ssl-certfile and --ssl-keyfile")
-    return TLSFiles(certfile, keyfile)
 
 
 def _read(path: str) -> bytes:
@@ -94,6 +81,7 @@ def _read(path: str) -> bytes:
 
 
 def _key_pair(tls: TLSFiles) -> tuple[bytes, bytes]:
+    assert tls.certfile is not None and tls.keyfile is not None  # __post_init__ checked
     return _read(tls.keyfile), _read(tls.certfile)
 
 

@@ -37,7 +37,7 @@ from pagedserve.common.runtime.tls import (
 from pagedserve.router.client import Client
 from pagedserve.router.config import RouterConfig
 from pagedserve.router.server import start_router_in_thread
-from pagedserve.v1 import index_pb2, kvtransfer_pb2, worker_pb2, worker_pb2_grpc
+from pagedserve.v1 import admin_pb2, index_pb2, kvtransfer_pb2, worker_pb2, worker_pb2_grpc
 
 HOSTS = ("127.0.0.1", "localhost")
 MAX_TOKENS = 12
@@ -106,7 +106,7 @@ def ids(start: int, length: int) -> list[int]:
 def _internal_methods() -> list[tuple[str, bool]]:
     """(path, server-streaming) of every method of every internal service."""
     methods = []
-    for module in (worker_pb2, index_pb2, kvtransfer_pb2):
+    for module in (worker_pb2, index_pb2, kvtransfer_pb2, admin_pb2):
         for service in module.DESCRIPTOR.services_by_name.values():
             for m in service.methods:
                 methods.append((f"/{service.full_name}/{m.name}", m.server_streaming))
@@ -146,6 +146,7 @@ def test_internal_services_are_unimplemented_on_the_public_port(bare_router):
         "pagedserve.v1.WorkerStatus",
         "pagedserve.v1.PrefixIndex",
         "pagedserve.v1.KVTransfer",
+        "pagedserve.v1.Admin",
     } <= names
     assert bare_router.address != bare_router.internal_address
     with grpc.insecure_channel(bare_router.address) as ch:
@@ -161,11 +162,12 @@ def test_internal_services_are_unimplemented_on_the_public_port(bare_router):
         assert c.model_info().model_name == "llama-0"
 
 
-def test_internal_listener_serves_registry_index_and_health_only(bare_router):
+def test_internal_listener_serves_registry_index_admin_and_health_only(bare_router):
     with grpc.insecure_channel(bare_router.internal_address) as ch:
         assert _services(ch) == {
             "pagedserve.v1.Registry",
             "pagedserve.v1.PrefixIndex",
+            "pagedserve.v1.Admin",
             "grpc.health.v1.Health",
             "grpc.reflection.v1alpha.ServerReflection",
         }

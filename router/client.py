@@ -49,6 +49,14 @@ def explain(e: grpc.RpcError, address: str) -> str:
             )
         if details.startswith("no live"):
             return "the router is up but has no live worker for this request: start workers"
+        if "handshake failed" in lower:
+            return (
+                f"TLS with {address} failed: give --ssl-ca-certs the CA that signed the "
+                "router's certificate (which must name this host), or drop it if the "
+                "router serves plaintext"
+            )
+        if "socket closed" in lower:
+            return f"{address} closed the connection: if the router serves TLS, give --ssl-ca-certs"
         if any(s in lower for s in _CONNECT_FAILED):
             return f"cannot reach the router at {address}: is one running? (`pagedserve up`)"
         return f"the connection to the router at {address} failed: retry"

@@ -34,7 +34,7 @@ from pagedserve.common.runtime.tls import (
     internal_channel_credentials,
     internal_tls_from_flags,
 )
-from pagedserve.router.client import Client
+from pagedserve.router.client import Client, explain
 from pagedserve.router.config import RouterConfig
 from pagedserve.router.server import start_router_in_thread
 from pagedserve.v1 import admin_pb2, index_pb2, kvtransfer_pb2, worker_pb2, worker_pb2_grpc
@@ -200,6 +200,21 @@ def test_tls_files_are_checked_where_configured(tmp_path, certs):
     assert internal_tls_from_flags(None, None, None) is None
 
 
+def test_router_and_launcher_refuse_half_given_tls_flags(certs, capsys):
+    from pagedserve import launch
+    from pagedserve.router import __main__ as router_main
+
+    for main in (router_main.main, launch.main):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--internal-ssl-certfile", certs.internal.certfile])
+        assert exit_.value.code == 2
+        assert "mutual TLS needs all three of --internal-ssl-certfile" in capsys.readouterr().err
+        with pytest.raises(SystemExit) as exit_:
+            main(["--ssl-certfile", certs.public.certfile])
+        assert exit_.value.code == 2
+        assert "TLS needs both --ssl-certfile and --ssl-keyfile" in capsys.readouterr().err
+
+
 # -- TLS and mutual TLS ---------------------------------------------------------------------
 
 
@@ -243,13 +258,17 @@ def test_tls_client_gets_the_plaintext_tokens_end_to_end_with_a_kv_pull(secure, 
 
 
 def test_plaintext_or_wrongly_trusting_clients_are_refused_on_the_tls_port(secure, certs):
-    for client in (
-        Client(secure.address, timeout=10),  # plaintext
-        Client(secure.address, timeout=10, ssl_ca_certs=certs.stranger_ca),  # another CA
+    for client, hint in (
+        (Client(secure.address, timeout=10), "if the router serves TLS, give --ssl-ca-certs"),
+        (
+            Client(secure.address, timeout=10, ssl_ca_certs=certs.stranger_ca),  # another CA
+            "give --ssl-ca-certs the CA that signed the router's certificate",
+        ),
     ):
         with client, pytest.raises(grpc.RpcError) as err:
             client.model_info()
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert hint in explain(err.value, secure.address)
     with Client(secure.address, timeout=10, ssl_ca_certs=certs.public_ca) as c:
         assert c.model_info().model_name == "llama-0"
 

@@ -259,11 +259,19 @@ class Cluster:
             redis_url=spec.redis_url,  # None: the router hosts the prefix index
             metrics_port=spec.router_metrics_port,
             metrics_compat=spec.metrics_compat,
+            # The spec's planes win over router_options, where the settings schema puts
+            # None for these linked `TLSFiles | None` fields.
+            **{**linked, **spec.router_options, **self._router_planes()},
+        )
+
+    def _router_planes(self) -> dict[str, Any]:
+        """The router's listeners and TLS, from the spec (issue 11)."""
+        spec = self.spec
+        return dict(
             internal_host=spec.internal_host,
             internal_port=spec.internal_port,
             public_tls=spec.public_tls,
             internal_tls=spec.internal_tls,
-            **{**linked, **spec.router_options},
         )
 
     def worker_config(self, pool: str, index: int, router_address: str) -> WorkerConfig:
@@ -286,8 +294,7 @@ class Cluster:
             index_address=None if spec.redis_url else router_address,
             metrics_port=self._worker_metrics_port(pool, index),
             metrics_compat=spec.metrics_compat,
-            internal_tls=spec.internal_tls,
-            **spec.worker_options,
+            **{**spec.worker_options, "internal_tls": spec.internal_tls},  # (as above)
         )
 
     def _spawn(self, pool: str, index: int) -> Any:

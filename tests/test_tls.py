@@ -32,7 +32,6 @@ from pagedserve.common.runtime.tls import (
     TLSFiles,
     client_channel_credentials,
     internal_channel_credentials,
-    internal_tls_from_flags,
 )
 from pagedserve.router.client import Client, explain
 from pagedserve.router.config import RouterConfig
@@ -193,26 +192,55 @@ def test_internal_listener_serves_registry_index_admin_and_health_only(bare_rout
 def test_tls_files_are_checked_where_configured(tmp_path, certs):
     with pytest.raises(ConfigError, match="TLS certfile '.*/missing.crt' does not exist"):
         TLSFiles(str(tmp_path / "missing.crt"), certs.internal.keyfile)
-    with pytest.raises(ConfigError, match="all three of --internal-ssl-certfile"):
-        internal_tls_from_flags(certs.internal.certfile, certs.internal.keyfile, None)
+    with pytest.raises(ConfigError, match="TLS needs a certificate and its key"):
+        TLSFiles(certfile=certs.internal.certfile)
     with pytest.raises(ConfigError, match="internal_tls .mutual TLS. needs a CA file"):
         RouterConfig(port=0, internal_tls=certs.public)  # no CA: cannot check peers
-    assert internal_tls_from_flags(None, None, None) is None
 
 
-def test_router_and_launcher_refuse_half_given_tls_flags(certs, capsys):
+def internal_flags(files: TLSFiles) -> list[str]:
+    return [
+        *("--internal-ssl-certfile", str(files.certfile)),
+        *("--internal-ssl-keyfile", str(files.keyfile)),
+        *("--internal-ssl-ca-certs", str(files.ca_certs)),
+    ]
+
+
+def test_router_and_launcher_take_the_tls_flags(certs, capsys):
     from pagedserve import launch
     from pagedserve.router import __main__ as router_main
 
-    for main in (router_main.main, launch.main):
-        with pytest.raises(SystemExit) as exit_:
-            main(["--internal-ssl-certfile", certs.internal.certfile])
-        assert exit_.value.code == 2
-        assert "mutual TLS needs all three of --internal-ssl-certfile" in capsys.readouterr().err
-        with pytest.raises(SystemExit) as exit_:
-            main(["--ssl-certfile", certs.public.certfile])
-        assert exit_.value.code == 2
-        assert "TLS needs both --ssl-certfile and --ssl-keyfile" in capsys.readouterr().err
+    public = [
+        "--ssl-certfile",
+        str(certs.public.certfile),
+        "--ssl-keyfile",
+        str(certs.public.keyfile),
+    ]
+    argv = [*public, *internal_flags(certs.internal), "--internal-port", "0"]
+    config, _ = router_main.parse_config(argv)
+    assert (config.public_tls, config.internal_tls) == (certs.public, certs.internal)
+    assert (config.internal_host, config.internal_port) == ("127.0.0.1", 0)
+    assert router_main.parse_config([])[0].internal_tls is None  # plaintext by default
+
+    spec, _ = launch.parse_spec([*argv, "--ssl-ca-certs", certs.public_ca])
+    cluster = launch.Cluster(spec)
+    router = cluster.router_config()
+    assert router.internal_tls == certs.internal and router.internal_port == 0
+    assert router.public_tls == dataclasses.replace(certs.public, ca_certs=certs.public_ca)
+    assert cluster.worker_config("decode", 0, "127.0.0.1:1").internal_tls == certs.internal
+    default, _ = launch.parse_spec([])  # `pagedserve up` with no configuration
+    assert (default.internal_host, default.internal_port) == ("127.0.0.1", 50052)
+    assert default.public_tls is None and default.internal_tls is None
+
+    for parse in (router_main.parse_config, launch.parse_spec):
+        for half, message in (
+            (internal_flags(certs.internal)[:4], "needs a CA file"),
+            (public[:2], "TLS needs a certificate and its key"),
+        ):
+            with pytest.raises(SystemExit) as exit_:
+                parse(half)
+            assert exit_.value.code == 2
+            assert message in capsys.readouterr().err
 
 
 # -- TLS and mutual TLS ---------------------------------------------------------------------

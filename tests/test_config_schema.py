@@ -40,6 +40,10 @@ ADDRESS = "10.0.0.9:50051"  # the router as workers dial it (never dialled here)
 # Dests both entry points take whose defaults differ on purpose (the reason is at the
 # field: ServeOptions.log_level).
 DIFFERENT_DEFAULTS = {"log_level"}
+# ...and ClusterSpec.internal_port: `pagedserve up` listens on a fixed 50052 that its
+# workers (and `pagedserve status`) dial; RouterConfig's 0 keeps tests' routers apart.
+UP_DEFAULTS = {"internal_port": 50052}
+DIFFERENT_DEFAULTS |= set(UP_DEFAULTS)
 
 
 # Values a field's own check needs (the generic "default + something" would fail it).
@@ -51,8 +55,20 @@ def _keys_file() -> str:
     return str(path)
 
 
+def _pem_file(name: str) -> str:
+    """An existing file: TLSFiles checks its paths when built (read only at start)."""
+    path = Path(tempfile.mkdtemp(prefix="pagedserve-schema-")) / name
+    path.write_text("not read at parse time\n")
+    return str(path)
+
+
 SPECIAL_VALUES: dict[str, Any] = {
     "api_keys_file": _keys_file(),
+    **{
+        f"{plane}ssl_{part}": _pem_file(f"{plane}{part}")
+        for plane in ("", "internal_")
+        for part in ("certfile", "keyfile", "ca_certs")
+    },
     "redis_url": "redis://127.0.0.1:6399/0",
     "log_level": "DEBUG",
     "model": "/models/x",
@@ -121,6 +137,10 @@ def leaf_links(
         if link.root == schema.roots[0].name and not first_root:
             continue
         cls = type(get_path(default_views()[link.root], link.path))
+        if cls is type(None):  # an `X | None` dataclass (TLSFiles): None by default
+            parent = get_path(default_views()[link.root], link.path[:-1])
+            hint = typing.get_type_hints(type(parent))[link.path[-1]]
+            cls = settings._nested_dataclass(hint)[0] or cls
         if not dataclasses.is_dataclass(cls):
             out.append((link.root, link.path, link.source))
             continue
@@ -185,7 +205,7 @@ def test_up_defaults_are_the_dataclasses_defaults():
     spec = views["spec"]
     assert dataclasses.replace(spec, router_options={}, worker_options={}) == launch.ClusterSpec()
     # The router the launcher starts, and every worker, get the classes' own defaults.
-    assert views["router"] == RouterConfig()
+    assert views["router"] == RouterConfig(**UP_DEFAULTS)
     worker = views["worker"]
     derived = {k.split(".")[1] for k in NOT_FLAGS if k.startswith("WorkerConfig.")}
     plain = WorkerConfig(worker_id="decode-1", pool="decode")

@@ -41,8 +41,9 @@ from pagedserve.common.api.limits import ConfigError
 class TLSFiles:
     """PEM files: this end's certificate chain and private key, and the CA it trusts.
 
-    Public plane (RouterConfig.public_tls): certfile and keyfile; ca_certs unused
-    (clients are not asked for certificates). Internal plane (`internal_tls` of
+    Public plane (RouterConfig.public_tls): certfile and keyfile; the server ignores
+    ca_certs (clients are not asked for certificates; `pagedserve up --demo` trusts it).
+    Internal plane (`internal_tls` of
     RouterConfig, WorkerConfig, ClusterSpec): all three, mutual TLS.
     """
 

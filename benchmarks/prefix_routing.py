@@ -364,7 +364,7 @@ def start_workers(router, args, model_dir, count, num_blocks, redis_url, prefix)
                 worker_id=f"{prefix}{i}",
                 pool="colocated",
                 engine=engine_config(args, model_dir, num_blocks),
-                registry_address=router.address,
+                registry_address=router.internal_address,
                 heartbeat_interval_s=0.25,
                 redis_url=redis_url,
                 index_ttl_s=10.0,

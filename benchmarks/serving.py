@@ -937,6 +937,7 @@ def main(argv: list[str] | None = None) -> int:
             num_decode=cfg.num_decode,
             engine=engine,
             router_port=0,
+            internal_port=0,
             num_cpus=os.cpu_count(),
             disagg_min_prompt_tokens=cfg.disagg_min_prompt_tokens,
             log_level=args.log_level,

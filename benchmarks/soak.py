@@ -384,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         num_decode=args.decode,
         engine=engine,
         router_port=0,
+        internal_port=0,
         num_cpus=os.cpu_count(),
         worker_timeout_s=30.0,
         log_level="WARNING",

@@ -262,10 +262,13 @@ class GrpcTransport(KVTransport):
         overlap: bool | None = None,
         timeout_s: float | None = DEFAULT_PULL_TIMEOUT_S,
         max_channels: int = DEFAULT_MAX_CHANNELS,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         """timeout_s: deadline of every pull (a caller's shorter timeout wins), so a
         hung exporter cannot hold the puller's thread and blocks; None = the caller's.
-        max_channels: open channels kept, one per exporter address, LRU."""
+        max_channels: open channels kept, one per exporter address, LRU.
+        credentials: mutual TLS to the exporters (the worker's internal plane), None =
+        plaintext."""
         plan_chunks(1, 1, max_chunk_bytes)  # validates the chunk size
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
@@ -274,7 +277,9 @@ class GrpcTransport(KVTransport):
         self.timeout_s = timeout_s
         limit = MAX_CHUNK_BYTES_LIMIT + (1 << 20)  # largest chunk plus its header
         self.channels = ChannelCache(
-            max_channels, options=[("grpc.max_receive_message_length", limit)]
+            max_channels,
+            options=[("grpc.max_receive_message_length", limit)],
+            credentials=credentials,
         )
 
     def _deadline(self, timeout: float | None) -> float | None:
@@ -333,11 +338,19 @@ class ChannelCache:
     a channel cancels its calls in flight).
     """
 
-    def __init__(self, max_channels: int = 32, options: list | None = None) -> None:
+    def __init__(
+        self,
+        max_channels: int = 32,
+        options: list | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        """credentials: TLS of every channel (the internal plane's mutual TLS), None =
+        plaintext."""
         if max_channels < 1:
             raise ValueError(f"max_channels must be >= 1, got {max_channels}")
         self.max_channels = max_channels
         self.options = options or []
+        self.credentials = credentials
         self._open: OrderedDict[str, _Channel] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -356,9 +369,7 @@ class ChannelCache:
         with self._lock:
             entry = self._open.get(address)
             if entry is None:
-                entry = self._open[address] = _Channel(
-                    grpc.insecure_channel(address, options=self.options)
-                )
+                entry = self._open[address] = _Channel(self._dial(address))
             self._open.move_to_end(address)
             entry.users += 1
             while len(self._open) > self.max_channels:
@@ -374,6 +385,11 @@ class ChannelCache:
                 close = entry.evicted and not entry.users
             if close:
                 entry.channel.close()
+
+    def _dial(self, address: str) -> grpc.Channel:
+        if self.credentials is None:
+            return grpc.insecure_channel(address, options=self.options)
+        return grpc.secure_channel(address, self.credentials, options=self.options)
 
     def close(self) -> None:
         with self._lock:

@@ -20,6 +20,8 @@ from typing import TextIO
 import grpc
 from google.protobuf import json_format
 
+from pagedserve.common.runtime.tls import TLSFiles, internal_channel_credentials
+from pagedserve.common.runtime.tls import channel as tls_channel
 from pagedserve.v1 import admin_pb2, admin_pb2_grpc, worker_pb2
 
 DEFAULT_ADMIN_ADDRESS = "127.0.0.1:50052"
@@ -52,7 +54,23 @@ def build_parser(cmd: str) -> argparse.ArgumentParser:
         help="the router's internal address (default $PAGEDSERVE_ADMIN_ADDRESS or %(default)s)",
     )
     p.add_argument("--timeout", type=float, default=None, help="seconds (default: 10 / none)")
+    tls = p.add_argument_group(
+        "mutual TLS",
+        "when the cluster runs with --internal-ssl-*: a certificate of its internal CA",
+    )
+    tls.add_argument("--internal-ssl-certfile", default=None)
+    tls.add_argument("--internal-ssl-keyfile", default=None)
+    tls.add_argument("--internal-ssl-ca-certs", default=None)
     return p
+
+
+def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    given = (args.internal_ssl_certfile, args.internal_ssl_keyfile, args.internal_ssl_ca_certs)
+    if not any(given):
+        return None
+    files = TLSFiles(*given)
+    files.require_ca("pagedserve status/scale over mutual TLS")
+    return internal_channel_credentials(files)
 
 
 def main(cmd: str, argv: list[str], out: TextIO = sys.stdout) -> int:
@@ -60,7 +78,12 @@ def main(cmd: str, argv: list[str], out: TextIO = sys.stdout) -> int:
     if cmd == "scale" and args.prefill is None and args.decode is None:
         print("pagedserve scale: give --prefill N and/or --decode M", file=sys.stderr)
         return 2
-    with grpc.insecure_channel(args.address) as channel:
+    try:
+        creds = _credentials(args)
+    except ValueError as e:  # ConfigError: a missing or half-given file
+        print(f"pagedserve {cmd}: {e}", file=sys.stderr)
+        return 2
+    with tls_channel(args.address, creds) as channel:
         stub = admin_pb2_grpc.AdminStub(channel)
         try:
             if cmd == "status":

@@ -80,6 +80,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="the router's API key (default: $PAGEDSERVE_API_KEY)",
     )
     p.add_argument("--timeout", type=float, default=None, help="deadline per request, seconds")
+    # issue 11: planes
+    p.add_argument(
+        "--ssl-ca-certs",
+        default=os.environ.get("PAGEDSERVE_SSL_CA_CERTS"),
+        type=_existing_file,
+        help="TLS: the CA file (PEM) that signed the router's --ssl-certfile (default: plaintext)",
+    )
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1.0)")
     p.add_argument("--top-p", type=float, default=None)
@@ -92,6 +99,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", type=int, default=None, help="samples (generate only)")
     p.add_argument("--cache-salt", default="")
     p.add_argument("-v", "--verbose", action="store_true", help="print usage after each answer")
+
+
+def _existing_file(path: str) -> str:
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"{path!r} does not exist or is not a file")
+    return path
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, object]:
@@ -135,7 +148,9 @@ def generate(args: argparse.Namespace) -> int:
         turns = [{"role": "system", "content": args.system}] if args.system else []
         inputs = {"messages": [*turns, {"role": "user", "content": args.prompt}]}
     stdout, stderr = sys.stdout, sys.stderr
-    with Client(args.address, timeout=args.timeout, api_key=args.api_key) as client:
+    with Client(
+        args.address, timeout=args.timeout, api_key=args.api_key, ssl_ca_certs=args.ssl_ca_certs
+    ) as client:
         try:
             if (args.n or 1) > 1:  # samples arrive interleaved: print each one whole
                 for c in client.collect(**inputs, cache_salt=args.cache_salt, **_sampling(args)):
@@ -169,7 +184,9 @@ def chat(args: argparse.Namespace) -> int:
         print(f"pagedserve chat with {args.address} ({CHAT_COMMANDS})", file=stderr)
     sampling = _sampling(args)
     sampling.pop("n", None)
-    with Client(args.address, timeout=args.timeout, api_key=args.api_key) as client:
+    with Client(
+        args.address, timeout=args.timeout, api_key=args.api_key, ssl_ca_certs=args.ssl_ca_certs
+    ) as client:
         while True:
             if interactive:
                 stdout.write("you> ")

@@ -57,6 +57,7 @@ from pagedserve.cli import DEFAULT_MAX_TOKENS
 from pagedserve.common.api.limits import ConfigError
 from pagedserve.common.api.settings import LAUNCHER_LINKS, ArgumentParser, Root, Schema
 from pagedserve.common.core.config import EngineConfig
+from pagedserve.common.runtime.tls import TLSFiles
 from pagedserve.common.runtime.worker import WorkerConfig
 from pagedserve.router.admin import ScaleResult
 from pagedserve.router.auth import Authenticator, load_keys_file
@@ -120,6 +121,21 @@ class ClusterSpec:
     pool_resources: bool = False
     # issue 12: http. The OpenAI-compatible API on router_host: None = off, 0 = any free.
     router_http_port: int | None = None
+    # -- the two planes and TLS (issue 11; router/server.py, common/runtime/tls.py) --
+    # The router's internal listener (Registry, PrefixIndex, Admin), what the workers
+    # dial (as --advertise-host when given): loopback unless the workers are elsewhere.
+    internal_host: str = "127.0.0.1"
+    internal_port: int = 50052  # the router's internal port; 0 = any free one
+    # TLS on the router's public port (certfile, keyfile; ca_certs: what --demo trusts).
+    public_tls: TLSFiles | None = None
+    # Mutual TLS on every internal connection (router <-> workers, worker <-> worker KV,
+    # workers -> router): the same files on every node; certificates name the hosts
+    # peers dial (--advertise-host, each worker's node address).
+    internal_tls: TLSFiles | None = None
+
+    def __post_init__(self) -> None:
+        if self.internal_tls is not None:
+            self.internal_tls.require_ca("--internal-ssl-* (mutual TLS)")
 
 
 class Cluster:
@@ -188,7 +204,10 @@ class Cluster:
         self.start_ray(progress)
         progress("starting the router ...")
         self.router = start_router_in_thread(self.router_config())
-        progress(f"router listening on {self.router.address}")
+        progress(
+            f"router listening on {self.router.address} "
+            f"(internal plane on {self.router.internal_address})"
+        )
         self.router.router.scaler = self.scale  # Admin.Scale: `pagedserve scale`
         if self.router.router.metrics.server is not None:
             progress(
@@ -245,7 +264,19 @@ class Cluster:
             metrics_port=spec.router_metrics_port,
             metrics_compat=spec.metrics_compat,
             http_port=spec.router_http_port,
-            **{**linked, **spec.router_options},
+            # The spec's planes win over router_options, where the settings schema puts
+            # None for these linked `TLSFiles | None` fields.
+            **{**linked, **spec.router_options, **self._router_planes()},
+        )
+
+    def _router_planes(self) -> dict[str, Any]:
+        """The router's listeners and TLS, from the spec (issue 11)."""
+        spec = self.spec
+        return dict(
+            internal_host=spec.internal_host,
+            internal_port=spec.internal_port,
+            public_tls=spec.public_tls,
+            internal_tls=spec.internal_tls,
         )
 
     def worker_config(self, pool: str, index: int, router_address: str) -> WorkerConfig:
@@ -263,12 +294,12 @@ class Cluster:
             lease_ttl_s=spec.lease_ttl_s,
             kv_transport=spec.kv_transport,
             # The prefix index: Redis when configured (the workers also register there),
-            # else the router's embedded index, served at the router's address.
+            # else the router's embedded index, served on the router's internal listener.
             redis_url=spec.redis_url,
             index_address=None if spec.redis_url else router_address,
             metrics_port=self._worker_metrics_port(pool, index),
             metrics_compat=spec.metrics_compat,
-            **spec.worker_options,
+            **{**spec.worker_options, "internal_tls": spec.internal_tls},  # (as above)
         )
 
     def _spawn(self, pool: str, index: int) -> Any:
@@ -304,6 +335,8 @@ class Cluster:
             problems.append(f"it dials the router at {info['registry_address']}, not {want}")
         if info["model"] != self.spec.model:
             problems.append(f"it serves {info['model']}, not {self.spec.model}")
+        if info.get("internal_tls", False) != (self.spec.internal_tls is not None):
+            problems.append("its internal mutual TLS setting differs from this launcher's")
         if problems:
             raise RuntimeError(
                 f"running worker {info['worker_id']} does not fit this router: "
@@ -314,8 +347,9 @@ class Cluster:
 
     @property
     def router_address_for_workers(self) -> str:
-        """host:port of the router as the workers dial it."""
-        return advertised_address(self.router.address, self.spec.router_advertise_host)
+        """host:port of the router's internal listener (Registry, PrefixIndex) as the
+        workers dial it; never the public port, which does not serve them."""
+        return advertised_address(self.router.internal_address, self.spec.router_advertise_host)
 
     def _worker_metrics_port(self, pool: str, index: int) -> int | None:
         """See ClusterSpec.worker_metrics_port. Workers added by `scale` take the next
@@ -550,10 +584,15 @@ def parse_spec(argv: list[str] | None = None) -> tuple[ClusterSpec, LaunchOption
     schema = settings_schema()
     parser = schema.parser()
     args = parser.parse_args(argv)
-    if args.detach_workers and (args.ray_address is None or args.port == 0):
+    if args.detach_workers and (
+        args.ray_address is None or args.port == 0 or args.internal_port == 0
+    ):
         # Detached workers must outlive this process (so must their Ray cluster) and
         # find the next router where they found this one.
-        parser.error("--detach-workers needs --ray-address (a Ray cluster) and a fixed --port")
+        parser.error(
+            "--detach-workers needs --ray-address (a Ray cluster) and a fixed --port and "
+            "--internal-port"
+        )
     built = schema.build(args, parser)
     spec = replace(built["spec"], router_options=built["router"], worker_options=built["worker"])
     try:  # the router's API keys: a bad keys file is a usage error naming its line
@@ -597,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start(progress=progress, interrupted=signals.requested)
         if options.demo is not None:
             key = demo_key(spec)  # the demo request presents a key too
-            return _demo(cluster.address, options.demo, options.max_tokens, key)
+            ca = spec.public_tls.ca_certs if spec.public_tls is not None else None
+            return _demo(cluster.address, options.demo, options.max_tokens, key, ca)
         print(f"pagedserve serving on {cluster.address}  (Ctrl-C to stop)", flush=True)
         signum = signals.wait(on_again=cluster.end_grace)
         progress(
@@ -696,11 +736,17 @@ def down_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _demo(address: str, message: str, max_tokens: int, api_key: str | None = None) -> int:
+def _demo(
+    address: str,
+    message: str,
+    max_tokens: int,
+    api_key: str | None = None,
+    ssl_ca_certs: str | None = None,
+) -> int:
     from pagedserve.router.client import Client
 
     print(f"\nuser> {message}\nassistant> ", end="", flush=True)
-    with Client(address, api_key=api_key) as client:
+    with Client(address, api_key=api_key, ssl_ca_certs=ssl_ca_certs) as client:
         for resp in client.generate(
             messages=[{"role": "user", "content": message}], max_tokens=max_tokens, temperature=0.0
         ):

@@ -47,6 +47,10 @@ class WorkerActor:
             import torch
 
             torch.set_num_threads(config.engine.num_threads)
+        if config.internal_tls is not None:
+            # The paths were checked where the config was built, maybe on another node:
+            # check them here too, where the worker reads them (a clear error, not gRPC's).
+            replace(config.internal_tls)
         if config.advertise_host == "auto":  # listening on 0.0.0.0: advertise this node's IP
             import ray
 
@@ -60,7 +64,7 @@ class WorkerActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def describe(self) -> dict[str, str | int | None]:
+    def describe(self) -> dict[str, str | int | bool | None]:
         """Who this worker is and whom it reports to: the launcher checks a running
         (detached) worker against its own options before attaching to it."""
         return {
@@ -69,6 +73,7 @@ class WorkerActor:
             "address": self.runtime.address,
             "registry_address": self.config.registry_address,
             "redis_url": redact_url(self.config.redis_url) if self.config.redis_url else None,
+            "internal_tls": self.config.internal_tls is not None,
             "model": self.config.engine.model,
             "pid": os.getpid(),
         }

@@ -1,7 +1,12 @@
 """A standalone router: `python -m pagedserve.router --model DIR --port 50051`.
 
-Workers join it by heartbeat (WorkerConfig.registry_address = this address). The
-launcher (`pagedserve up`) runs the same router in its own process instead.
+Two listeners (router/server.py): the public `--port` serves only Generation, health and
+reflection; workers join by heartbeat on the internal listener (`--internal-host`,
+`--internal-port`: WorkerConfig.registry_address and index_address name it). Its port
+defaults to 0 (any free one, logged at start): give workers started on their own a
+fixed `--internal-port` (`pagedserve up` uses 50052). TLS: `--ssl-certfile/--ssl-keyfile`
+on the public port, `--internal-ssl-certfile/-keyfile/-ca-certs` (mutual TLS) inside.
+The launcher (`pagedserve up`) runs the same router in its own process instead.
 
 SIGTERM or Ctrl-C drains (router/server.py `Router.drain`): new requests get
 UNAVAILABLE, health reports NOT_SERVING, the streams in flight get

@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from pagedserve.common.runtime.grpc_options import CHANNEL_OPTIONS
+from pagedserve.common.runtime.tls import aio_channel
 from pagedserve.router.registry import WorkerRegistry
 
 
@@ -27,12 +28,14 @@ class WorkerChannels:
     """One channel per worker address (gRPC reconnects it), counted while in use.
 
     `spawn` runs a coroutine in the background (the router's, so that `stop` waits for
-    the closes); `counters` gets "channels_closed".
+    the closes); `counters` gets "channels_closed". `credentials`: mutual TLS to the
+    workers (common/runtime/tls.py internal_channel_credentials), None = plaintext.
     """
 
     registry: WorkerRegistry
     counters: collections.Counter[str]
     spawn: Callable[[Coroutine[Any, Any, Any]], None]
+    credentials: grpc.ChannelCredentials | None = None
     open: dict[str, grpc.aio.Channel] = field(default_factory=dict, init=False)
     _users: collections.Counter[str] = field(default_factory=collections.Counter, init=False)
 
@@ -40,7 +43,7 @@ class WorkerChannels:
         """The channel to `address`, opened if needed; calls take it through `use`."""
         ch = self.open.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            ch = aio_channel(address, self.credentials, CHANNEL_OPTIONS)
             self.open[address] = ch
         return ch
 

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.common.api.outputs import Completion
 from pagedserve.common.runtime.grpc_options import CHANNEL_OPTIONS
 from pagedserve.common.runtime.protocol import FINISH_FROM_PB, logprobs_from_pb, usage_from_pb
+from pagedserve.common.runtime.tls import channel, client_channel_credentials
 from pagedserve.v1 import generation_pb2 as gen_pb
 from pagedserve.v1 import generation_pb2_grpc
 
@@ -48,6 +49,14 @@ def explain(e: grpc.RpcError, address: str) -> str:
             )
         if details.startswith("no live"):
             return "the router is up but has no live worker for this request: start workers"
+        if "handshake failed" in lower:
+            return (
+                f"TLS with {address} failed: give --ssl-ca-certs the CA that signed the "
+                "router's certificate (which must name this host), or drop it if the "
+                "router serves plaintext"
+            )
+        if "socket closed" in lower:
+            return f"{address} closed the connection: if the router serves TLS, give --ssl-ca-certs"
         if any(s in lower for s in _CONNECT_FAILED):
             return f"cannot reach the router at {address}: is one running? (`pagedserve up`)"
         return f"the connection to the router at {address} failed: retry"
@@ -120,14 +129,25 @@ def build_request(
 
 class Client:
     def __init__(
-        self, address: str, timeout: float | None = None, api_key: str | None = None
+        self,
+        address: str,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        *,
+        ssl_ca_certs: str | None = None,
     ) -> None:
         """timeout: default deadline of every call in seconds (None = no deadline);
-        api_key: sent as `authorization: Bearer <key>` on every call (router/auth.py)."""
+        api_key: sent as `authorization: Bearer <key>` on every call (router/auth.py).
+
+        ssl_ca_certs: TLS to a router started with --ssl-certfile, checked against this
+        CA file (PEM); None = plaintext. The router's certificate must name the host
+        in `address` (subjectAltName).
+        """
         self.address = address
         self.timeout = timeout
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        creds = client_channel_credentials(ssl_ca_certs) if ssl_ca_certs else None
+        self.channel = channel(address, creds, CHANNEL_OPTIONS)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def generate(

@@ -6,12 +6,16 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pagedserve.common.api.limits import ConfigError, RequestLimits
+from pagedserve.common.runtime.tls import TLSFiles
 
 DEFAULT_PORT = 50051  # the public Generation service; the CLI dials this by default
 # The OpenAI-compatible HTTP API's port in `pagedserve up` and `python -m
 # pagedserve.router` (RouterConfig.http_port itself defaults to off, so that routers
 # built in code, tests among them, never collide on a fixed port).
 DEFAULT_HTTP_PORT = 8000
+# The internal listener (Registry, PrefixIndex) of `pagedserve up` and of a standalone
+# router (python -m pagedserve.router): workers dial it, so it needs a fixed port there.
+DEFAULT_INTERNAL_PORT = 50052
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,15 @@ class PrefixRouting:
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT  # 0 = any free port (tests)
+    # The internal listener (router/server.py, "two planes"): the workers' Registry and
+    # PrefixIndex, never on the public port. Loopback by default; 0 = any free port.
+    internal_host: str = "127.0.0.1"
+    internal_port: int = 0
+    # TLS of the public port (certfile + keyfile); None = plaintext (common/runtime/tls.py).
+    public_tls: TLSFiles | None = None
+    # Mutual TLS of the internal listener and of the router's channels to the workers
+    # (certfile + keyfile + ca_certs); None = plaintext.
+    internal_tls: TLSFiles | None = None
     # The served model: a local checkpoint dir, or None for the default model. The router
     # loads only its tokenizer and config (never weights).
     model: str | None = None
@@ -179,6 +192,10 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.internal_port < 65536:
+            raise ConfigError(f"internal_port must be in [0, 65535], got {self.internal_port}")
+        if self.internal_tls is not None:
+            self.internal_tls.require_ca("internal_tls (mutual TLS)")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(
                 f"metrics_port must be in [0, 65535] or None, got {self.metrics_port}"
@@ -223,3 +240,7 @@ class RouterConfig:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def internal_bind_address(self) -> str:
+        return f"{self.internal_host}:{self.internal_port}"

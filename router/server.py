@@ -13,11 +13,18 @@ of its own:
   - router/service.py: the servicers (Generation, with its lenient request parsing,
     and Registry).
 
-Served: Generation, the worker Registry (heartbeats), grpc.health.v1 (overall "" and
-per pool "pagedserve.prefill" / "pagedserve.decode"), server reflection, and in
-embedded mode the PrefixIndex the workers publish their blocks to. The public server
-receives what the largest valid request needs, no more
-(ModelFrontend.max_request_bytes): gRPC refuses larger ones RESOURCE_EXHAUSTED.
+Two planes, two listeners (issue 11). The public one (`host:port`) serves only
+Generation, grpc.health.v1 (overall "" and per pool "pagedserve.prefill" /
+"pagedserve.decode") and server reflection listing just those; it receives what the
+largest valid request needs, no more (ModelFrontend.max_request_bytes): gRPC refuses
+larger ones RESOURCE_EXHAUSTED. The internal one (`internal_host:internal_port`,
+loopback by default; `Router.internal_address`) serves the worker Registry
+(heartbeats, goodbyes), in embedded mode the PrefixIndex the workers publish their
+blocks to, the operator's Admin service (`pagedserve status/scale`), and health: what
+only workers and operators may call, so a client of the API can neither
+register a fake worker nor touch the index. TLS on the public listener
+(config.public_tls), mutual TLS on the internal one and on the channels to the workers
+(config.internal_tls); see common/runtime/tls.py.
 
 Lifecycle: `start`, `drain` (graceful shutdown: admission closes, streams in flight
 get a grace period), `stop`; `start_router_in_thread` runs one for sync code
@@ -39,6 +46,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagedserve.common.runtime import tls as tls_files
 from pagedserve.common.runtime.grpc_options import SERVER_OPTIONS, with_option
 from pagedserve.common.runtime.prefix_index.remote import PrefixIndexServicer
 from pagedserve.router.admin import AdminServicer, Scaler
@@ -63,6 +71,7 @@ from pagedserve.router.service import (
 )
 from pagedserve.router.watch import DecodeStreams
 from pagedserve.v1 import (
+    admin_pb2,
     admin_pb2_grpc,
     generation_pb2,
     index_pb2,
@@ -120,8 +129,10 @@ class Router:
         # up` sets its launcher's, a router started alone has none.
         self.scaler: Scaler | None = None
         self.health = health.aio.HealthServicer()
-        self.server: grpc.aio.Server | None = None
+        self.server: grpc.aio.Server | None = None  # the public listener
         self.address = ""
+        self.internal_server: grpc.aio.Server | None = None  # Registry, PrefixIndex
+        self.internal_address = ""  # host:port the workers dial (registry, index)
         # Tokenizing, chat templates and block hashing run here, off the event loop.
         self._frontend_pool = concurrent.futures.ThreadPoolExecutor(
             config.frontend_threads, thread_name_prefix="router-frontend"
@@ -129,7 +140,13 @@ class Router:
         self.routing = Routing(
             config, self.policy, self.registry, self.prefix, self.counters, self._frontend_pool
         )
-        self.channels = WorkerChannels(self.registry, self.counters, self._spawn)
+        tls = config.internal_tls
+        self.channels = WorkerChannels(
+            self.registry,
+            self.counters,
+            self._spawn,
+            tls_files.internal_channel_credentials(tls) if tls is not None else None,
+        )
         self.decode_streams = DecodeStreams(config, self.channels)
         self.dispatcher = Dispatcher(
             config=config,
@@ -165,10 +182,6 @@ class Router:
         return self.drain_state.draining
 
     @property
-    def internal_address(self) -> str:
-        return self.address  # TEMP until the internal listener lands
-
-    @property
     def _channels(self) -> dict[str, grpc.aio.Channel]:
         return self.channels.open
 
@@ -183,7 +196,7 @@ class Router:
     # -- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> str:
-        """Binds and starts serving; returns host:port."""
+        """Binds both listeners and starts serving; returns the public host:port."""
         self._stopped = asyncio.Event()
         self._end_grace = asyncio.Event()
         self._health_lock = asyncio.Lock()
@@ -194,33 +207,12 @@ class Router:
 
             self.http = OpenAIServer(self, self.config.host, self.config.http_port)
             self.http.bind()
-        # The public server receives what the largest valid request needs, no more.
-        limit = self.frontend.max_request_bytes()
-        server = grpc.aio.server(
-            options=with_option(SERVER_OPTIONS, "grpc.max_receive_message_length", limit)
-        )
-        add_generation_service(self._generation_servicer(), server)
-        registry = RegistryServicer(self.heartbeat, self.registry.goodbye)
-        worker_pb2_grpc.add_RegistryServicer_to_server(registry, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self), server)
-        names = [
-            generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
-            worker_pb2.DESCRIPTOR.services_by_name["Registry"].full_name,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ]
-        if self.prefix.embedded is not None:  # the workers publish their blocks here
-            servicer = PrefixIndexServicer(self.prefix.embedded)
-            index_pb2_grpc.add_PrefixIndexServicer_to_server(servicer, server)
-            names.append(index_pb2.DESCRIPTOR.services_by_name["PrefixIndex"].full_name)
-        reflection.enable_server_reflection(names, server)
-        port = server.add_insecure_port(self.config.address)
-        if port == 0:
-            raise OSError(f"cannot listen on {self.config.address}")
-        self.address = f"{self.config.host}:{port}"
-        await server.start()
-        self.server = server
+        self.server = await self._start_public()
+        try:
+            self.internal_server = await self._start_internal()
+        except BaseException:
+            await self.server.stop(None)
+            raise
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.host, self.config.metrics_port)
         await self._update_health()
@@ -238,13 +230,76 @@ class Router:
             )
             self._poller = asyncio.create_task(self.registry_feed.poll_loop(self.redis_registry))
         logger.info(
-            "router serving %s on %s (index: %s, policy: %s)",
+            "router serving %s on %s, internal plane on %s (index: %s, policy: %s)",
             self.frontend.model_name,
             self.address,
+            self.internal_address,
             "redis" if self.config.redis_url else "embedded",
             type(self.policy).__name__,
         )
         return self.address
+
+    async def _start_public(self) -> grpc.aio.Server:
+        """The public listener: Generation, health and reflection of those, nothing else.
+
+        It receives what the largest valid request needs, no more. TLS when
+        config.public_tls is set (no client certificates: clients are not peers).
+        """
+        limit = self.frontend.max_request_bytes()
+        server = grpc.aio.server(
+            options=with_option(SERVER_OPTIONS, "grpc.max_receive_message_length", limit)
+        )
+        add_generation_service(self._generation_servicer(), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = [
+            generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ]
+        reflection.enable_server_reflection(names, server)
+        tls = self.config.public_tls
+        creds = tls_files.public_server_credentials(tls) if tls is not None else None
+        port = tls_files.add_port(server, self.config.address, creds)
+        if port == 0:
+            raise OSError(f"cannot listen on {self.config.address}")
+        self.address = f"{self.config.host}:{port}"
+        await server.start()
+        return server
+
+    async def _start_internal(self) -> grpc.aio.Server:
+        """The internal listener: the workers' Registry, the embedded PrefixIndex, the
+        operator's Admin (status, scale), health.
+
+        Bound to config.internal_host (loopback by default), mutual TLS when
+        config.internal_tls is set: only holders of a certificate from the internal CA
+        may register as workers or publish to the index.
+        """
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        registry = RegistryServicer(self.heartbeat, self.registry.goodbye)
+        worker_pb2_grpc.add_RegistryServicer_to_server(registry, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        # The operator's Admin service (router/admin.py: status, scale): never public.
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self), server)
+        names = [
+            worker_pb2.DESCRIPTOR.services_by_name["Registry"].full_name,
+            admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ]
+        if self.prefix.embedded is not None:  # the workers publish their blocks here
+            servicer = PrefixIndexServicer(self.prefix.embedded)
+            index_pb2_grpc.add_PrefixIndexServicer_to_server(servicer, server)
+            names.append(index_pb2.DESCRIPTOR.services_by_name["PrefixIndex"].full_name)
+        reflection.enable_server_reflection(names, server)
+        tls = self.config.internal_tls
+        creds = tls_files.internal_server_credentials(tls) if tls is not None else None
+        bind = self.config.internal_bind_address
+        port = tls_files.add_port(server, bind, creds)
+        if port == 0:
+            raise OSError(f"cannot listen on {bind} (the internal listener)")
+        self.internal_address = f"{self.config.internal_host}:{port}"
+        await server.start()
+        return server
 
     def _generation_servicer(self) -> GenerationServicer:
         def generate(request, context, tenant):
@@ -315,6 +370,8 @@ class Router:
             await self.http.stop()
         if self.server is not None:
             await self.server.stop(grace)
+        if self.internal_server is not None:
+            await self.internal_server.stop(grace)
         if self._background:
             await asyncio.wait(self._background, timeout=grace + 1)
         await self.channels.close_all()
@@ -415,6 +472,11 @@ class RouterHandle:
     @property
     def address(self) -> str:
         return self.router.address
+
+    @property
+    def internal_address(self) -> str:
+        """host:port of the internal listener (what workers' registry_address names)."""
+        return self.router.internal_address
 
     def call(self, fn: Callable[[Router], T], timeout: float = 10.0) -> T:
         """Runs `fn(router)` on the router's loop (state is only touched there)."""

@@ -62,6 +62,11 @@ class Cluster:
     def address(self) -> str:
         return self.router.address
 
+    @property
+    def internal_address(self) -> str:
+        """The router's internal listener: what workers register and publish at."""
+        return self.router.internal_address
+
     def client(self, timeout: float | None = 60.0) -> Client:
         return Client(self.address, timeout=timeout)
 
@@ -74,7 +79,7 @@ class Cluster:
             worker_id=worker_id,
             pool=pool,  # type: ignore[arg-type]
             engine=self.engine_config,
-            registry_address=self.address,
+            registry_address=self.internal_address,
             heartbeat_interval_s=self.heartbeat_interval_s,
         )
         rt = start_worker(dataclasses.replace(cfg, **overrides))

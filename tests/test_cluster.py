@@ -42,6 +42,7 @@ def cluster():
             num_threads=1,
         ),
         router_port=0,
+        internal_port=0,
         num_cpus=2,
         heartbeat_interval_s=0.2,
         worker_timeout_s=1.5,

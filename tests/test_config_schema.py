@@ -48,6 +48,9 @@ ADDRESS = "10.0.0.9:50051"  # the router as workers dial it (never dialled here)
 # field: ServeOptions.log_level).
 DIFFERENT_DEFAULTS = {"log_level"}
 HTTP_PORT = CLI_DEFAULTS["RouterConfig.http_port"]  # the OpenAI API: on from a command line
+# The internal port: a fixed 50052 from both command lines (workers and `pagedserve
+# status` dial it), RouterConfig's 0 for routers built in code (tests stay apart).
+INTERNAL_PORT = CLI_DEFAULTS["RouterConfig.internal_port"]
 
 
 # Values a field's own check needs (the generic "default + something" would fail it).
@@ -59,8 +62,20 @@ def _keys_file() -> str:
     return str(path)
 
 
+def _pem_file(name: str) -> str:
+    """An existing file: TLSFiles checks its paths when built (read only at start)."""
+    path = Path(tempfile.mkdtemp(prefix="pagedserve-schema-")) / name
+    path.write_text("not read at parse time\n")
+    return str(path)
+
+
 SPECIAL_VALUES: dict[str, Any] = {
     "api_keys_file": _keys_file(),
+    **{
+        f"{plane}ssl_{part}": _pem_file(f"{plane}{part}")
+        for plane in ("", "internal_")
+        for part in ("certfile", "keyfile", "ca_certs")
+    },
     "redis_url": "redis://127.0.0.1:6399/0",
     "log_level": "DEBUG",
     "model": "/models/x",
@@ -129,6 +144,10 @@ def leaf_links(
         if link.root == schema.roots[0].name and not first_root:
             continue
         cls = type(get_path(default_views()[link.root], link.path))
+        if cls is type(None):  # an `X | None` dataclass (TLSFiles): None by default
+            parent = get_path(default_views()[link.root], link.path[:-1])
+            hint = typing.get_type_hints(type(parent))[link.path[-1]]
+            cls = settings._nested_dataclass(hint)[0] or cls
         if not dataclasses.is_dataclass(cls):
             out.append((link.root, link.path, link.source))
             continue
@@ -200,7 +219,7 @@ def test_up_defaults_are_the_dataclasses_defaults():
     cli_spec = dataclasses.replace(launch.ClusterSpec(), router_http_port=HTTP_PORT)
     assert dataclasses.replace(spec, router_options={}, worker_options={}) == cli_spec
     # The router the launcher starts, and every worker, get the classes' own defaults.
-    assert views["router"] == RouterConfig(http_port=HTTP_PORT)
+    assert views["router"] == RouterConfig(http_port=HTTP_PORT, internal_port=INTERNAL_PORT)
     worker = views["worker"]
     derived = {k.split(".")[1] for k in NOT_FLAGS if k.startswith("WorkerConfig.")}
     plain = WorkerConfig(worker_id="decode-1", pool="decode")
@@ -213,7 +232,7 @@ def test_up_defaults_are_the_dataclasses_defaults():
 def test_router_reaches_every_field_with_the_same_defaults(tmp_path):
     schema = router_main.settings_schema()
     assert router_main.parse_config([]) == (
-        RouterConfig(http_port=HTTP_PORT),
+        RouterConfig(http_port=HTTP_PORT, internal_port=INTERNAL_PORT),
         router_main.ServeOptions(),
     )
     values = {s.dest: other_value(s) for s in schema.settings}

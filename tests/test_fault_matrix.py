@@ -193,7 +193,7 @@ class FaultCluster(Cluster):
     def spawn(self, pool: str) -> WorkerRuntime:
         self.spawned += 1
         redis_url = self.router.router.config.redis_url
-        where = {"redis_url": redis_url} if redis_url else {"index_address": self.address}
+        where = {"redis_url": redis_url} if redis_url else {"index_address": self.internal_address}
         options = dict(index_ttl_s=INDEX_TTL_S, kv_transport="grpc", lease_ttl_s=LEASE_TTL_S)
         options.update(where, **self.worker_overrides)
         return self.add_worker(f"{pool[0]}{self.spawned}", pool, **options)
@@ -650,8 +650,8 @@ def ray_cluster():
                 worker_id=wid,
                 pool=pool,
                 engine=engine,
-                registry_address=router.address,
-                index_address=router.address,
+                registry_address=router.internal_address,
+                index_address=router.internal_address,
                 index_ttl_s=INDEX_TTL_S,
                 heartbeat_interval_s=0.2,
                 kv_transport="grpc",

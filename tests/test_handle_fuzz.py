@@ -680,9 +680,9 @@ def test_a_worker_pulls_only_from_the_registered_live_workers_of_its_model(regis
     assert f"'{ghost}', which is not a registered live worker of model '{model}'" in (
         refused.value.details()
     )
-    answer = register_ghost(c.address, ghost, "ghost", model)
+    answer = register_ghost(c.internal_address, ghost, "ghost", model)
     assert {p.transfer_address for p in answer.peers} == {ghost, rt.address}
-    register_ghost(c.address, other, "other", model.split("@")[0] + "@another-revision")
+    register_ghost(c.internal_address, other, "other", model.split("@")[0] + "@another-revision")
     # Trusted now (learned by a beat on demand: the next regular one is 30 s away), so it
     # is pulled from; nothing answers there, and the prompt is recomputed.
     steps = decode_from(ghost, "after")
@@ -693,7 +693,7 @@ def test_a_worker_pulls_only_from_the_registered_live_workers_of_its_model(regis
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     # The ghost leaves. Until the worker's next beat it stays trusted (peers.py); the
     # next refusal asks for a beat, and from then on the ghost is refused too.
-    registry_call(c.address, "Goodbye", worker_pb2.GoodbyeRequest(worker_id="ghost"))
+    registry_call(c.internal_address, "Goodbye", worker_pb2.GoodbyeRequest(worker_id="ghost"))
     with pytest.raises(grpc.RpcError):
         decode_from(other, "other-again")
     assert rt.peers.live == {rt.address}

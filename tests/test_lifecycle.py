@@ -128,8 +128,11 @@ def test_drain_finishes_streams_refuses_new_cuts_late_ones_and_frees_blocks():
 # -- python -m pagedserve.router, workers on their own -----------------------------------
 
 
-def start_router_process(workdir: Path, name: str, port: int) -> subprocess.Popen:
+def start_router_process(
+    workdir: Path, name: str, port: int, internal_port: int
+) -> subprocess.Popen:
     args = ["--model", str(tiny_checkpoint("llama")), "--port", str(port)]
+    args += ["--internal-port", str(internal_port)]
     args += ["--shutdown-grace-s", "10", "--worker-timeout-s", "30", "--log-level", "WARNING"]
     args += ["--no-http"]  # routers here restart on one address; HTTP is test_openai_api's
     with open(workdir / f"{name}.err", "w") as err:
@@ -153,9 +156,10 @@ def serving(address: str) -> bool:
 def test_standalone_router_drains_and_its_workers_join_the_next_one(tmp_path):
     """Workers started on their own (not by the router) outlive it: a new router on
     the same address gets their heartbeats, and what the old one left open returns."""
-    port = free_port()
+    port, internal_port = free_port(), free_port()
     address = f"127.0.0.1:{port}"
-    routers = [start_router_process(tmp_path, "router-1", port)]
+    internal = f"127.0.0.1:{internal_port}"  # the workers' side: registry and index
+    routers = [start_router_process(tmp_path, "router-1", port, internal_port)]
     workers = []
     try:
         for wid, pool in (("p0", "prefill"), ("d0", "decode")):
@@ -163,8 +167,8 @@ def test_standalone_router_drains_and_its_workers_join_the_next_one(tmp_path):
                 worker_id=wid,
                 pool=pool,
                 engine=tiny_engine_config(),
-                registry_address=address,
-                index_address=address,
+                registry_address=internal,
+                index_address=internal,
                 heartbeat_interval_s=0.2,
                 lease_ttl_s=2.0,
             )
@@ -181,7 +185,7 @@ def test_standalone_router_drains_and_its_workers_join_the_next_one(tmp_path):
         err = (tmp_path / "router-1.err").read_text()
         assert "Traceback" not in err, err
 
-        routers.append(start_router_process(tmp_path, "router-2", port))
+        routers.append(start_router_process(tmp_path, "router-2", port, internal_port))
         wait_for(lambda: serving(address), timeout=120, what="the workers to join router 2")
         assert generate(address, seed=5) == 8
         wait_for(
@@ -317,6 +321,8 @@ def tiny_args(*extra: str) -> list[str]:
         "1",
         "--log-level",
         "WARNING",
+        "--internal-port",  # a fixed one (the default) could collide with another run
+        "0",
         *extra,
     ]
 
@@ -456,6 +462,8 @@ def test_router_restarts_alone_and_detached_workers_register_again(launch, ray_c
         "--detach-workers",
         "--lease-ttl-s",
         "3",
+        "--internal-port",  # fixed: the detached workers dial it again after the restart
+        str(free_port()),
     )
     names = ["pagedserve-prefill-0", "pagedserve-decode-0"]
     first = launch("up-1", args)

@@ -106,7 +106,7 @@ def cluster():
     try:
         for worker_id, pool in [("p0", "prefill"), ("d0", "decode")]:
             # The workers publish their cached blocks to the router's embedded index.
-            c.add_worker(worker_id, pool, metrics_port=0, index_address=c.address)
+            c.add_worker(worker_id, pool, metrics_port=0, index_address=c.internal_address)
         yield c
     finally:
         c.stop()

@@ -54,6 +54,7 @@ INDEX_TTL_S = 2.0
 LEASE_TTL_S = 4.0
 KV_PULL_TIMEOUT_S = 2.5  # > the 1.5 s a chunk is held in TRANSFER_WINDOW
 ROUTER_PORT = 50051  # inside r's namespace: nothing else is there
+ROUTER_INTERNAL_PORT = 50052  # its internal listener (Registry, PrefixIndex)
 PREFILL_PORT = 50061  # p's, and the KV proxy's inside d
 TRANSFER_WINDOW = "delay_chunk_ms=1500"  # the prefill worker holds each chunk this long
 STREAM_WINDOW = "delay_rpc=Decode.step:300"  # the decode worker streams this slowly
@@ -154,6 +155,8 @@ def lab():
         router_config = dict(
             host="0.0.0.0",  # inside r: its loopback and its two links only
             port=ROUTER_PORT,
+            internal_host="0.0.0.0",  # the workers reach it over their links
+            internal_port=ROUTER_INTERNAL_PORT,
             model=model,
             max_model_len=MAX_MODEL_LEN,
             worker_timeout_s=WORKER_TIMEOUT_S,
@@ -184,8 +187,8 @@ def lab():
                 dict(
                     common, worker_id="p0", pool="prefill", port=PREFILL_PORT,
                     advertise_host=rp.b.address,
-                    registry_address=f"{rp.a.address}:{ROUTER_PORT}",
-                    index_address=f"{rp.a.address}:{ROUTER_PORT}",
+                    registry_address=f"{rp.a.address}:{ROUTER_INTERNAL_PORT}",
+                    index_address=f"{rp.a.address}:{ROUTER_INTERNAL_PORT}",
                 ),
             ),
             "d0": net.start(
@@ -193,8 +196,8 @@ def lab():
                 WORKER_MAIN,
                 dict(
                     common, worker_id="d0", pool="decode", advertise_host=rd.b.address,
-                    registry_address=f"{rd.a.address}:{ROUTER_PORT}",
-                    index_address=f"{rd.a.address}:{ROUTER_PORT}",
+                    registry_address=f"{rd.a.address}:{ROUTER_INTERNAL_PORT}",
+                    index_address=f"{rd.a.address}:{ROUTER_INTERNAL_PORT}",
                 ),
             ),
         }  # fmt: skip

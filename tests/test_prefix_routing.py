@@ -70,7 +70,7 @@ def start_prefix_cluster(redis_url: str | None, pools: dict[str, int]) -> Cluste
 
 def add_worker(cluster: Cluster, worker_id: str, pool: str, **overrides) -> WorkerRuntime:
     redis_url = cluster.router.router.config.redis_url
-    where = {"redis_url": redis_url} if redis_url else {"index_address": cluster.address}
+    where = {"redis_url": redis_url} if redis_url else {"index_address": cluster.internal_address}
     return cluster.add_worker(worker_id, pool, index_ttl_s=INDEX_TTL_S, **where, **overrides)
 
 

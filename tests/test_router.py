@@ -400,7 +400,9 @@ def test_overload_is_resource_exhausted_at_once(cluster):  # noqa: F811
         disagg_min_prompt_tokens=8,
     )
     with start_router_in_thread(config) as small, Client(small.address, timeout=30) as c:
-        register_by_heartbeat(small.address, [cluster.workers["p0"], cluster.workers["d0"]])
+        register_by_heartbeat(
+            small.internal_address, [cluster.workers["p0"], cluster.workers["d0"]]
+        )
         held = c.generate(token_ids=ids(9700, 20), request_id="held", max_tokens=230, **GREEDY)
         next(held)  # in flight now
         with pytest.raises(grpc.RpcError) as err:
@@ -535,7 +537,7 @@ def test_router_without_template_refuses_messages_and_other_models(tmp_path, clu
         assert "model 'no-template' has no chat template: send a prompt" in err.value.details()
         # A worker of another model (llama-0) is refused.
         with pytest.raises(grpc.RpcError) as err:
-            register_by_heartbeat(bare.address, [cluster.workers["p0"]])
+            register_by_heartbeat(bare.internal_address, [cluster.workers["p0"]])
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "serves 'llama-0@" in err.value.details()
         assert "this router serves 'no-template'" in err.value.details()
@@ -554,7 +556,7 @@ def test_health_follows_the_pools_and_no_prefill_pool_means_local_prefill(cluste
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "no live decode worker" in err.value.details()
 
-        register_by_heartbeat(bare.address, [cluster.workers["d0"]])
+        register_by_heartbeat(bare.internal_address, [cluster.workers["d0"]])
         wait_for(lambda: c.health("") == SERVING, what="health to follow the registry")
         assert c.health("pagedserve.decode") == SERVING
         assert c.health("pagedserve.prefill") == NOT_SERVING
@@ -562,7 +564,7 @@ def test_health_follows_the_pools_and_no_prefill_pool_means_local_prefill(cluste
         assert got.usage.completion_tokens == 3
         assert bare.call(lambda r: r.counters["local_prefill_fallback"]) == 1
 
-        with grpc.insecure_channel(bare.address) as ch:
+        with grpc.insecure_channel(bare.internal_address) as ch:
             worker_pb2_grpc.RegistryStub(ch).Goodbye(
                 worker_pb2.GoodbyeRequest(worker_id="d0"), timeout=5
             )

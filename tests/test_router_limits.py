@@ -195,7 +195,7 @@ def router_is_clean(router: RouterHandle) -> None:
 def test_hung_decode_before_any_token_ends_unavailable_naming_the_worker(fakes):
     hung = fakes("d-hung")
     with start_router_in_thread(router_config(decode_idle_timeout_s=0.5)) as router:
-        hung.register(router.address)
+        hung.register(router.internal_address)
         with Client(router.address, timeout=30) as c, pytest.raises(grpc.RpcError) as err:
             c.collect(token_ids=ids(100, 5), max_tokens=4, **GREEDY)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -216,8 +216,8 @@ def test_hung_decode_before_any_token_ends_unavailable_naming_the_worker(fakes):
 def test_hung_decode_before_any_token_moves_to_another_worker(fakes, real_decode):
     hung = fakes("d-a")  # sorts before d0: on a tie it is chosen first
     with start_router_in_thread(router_config(decode_idle_timeout_s=0.5)) as router:
-        hung.register(router.address)
-        heartbeat(router.address, real_decode.stats())
+        hung.register(router.internal_address)
+        heartbeat(router.internal_address, real_decode.stats())
         with Client(router.address, timeout=30) as c:
             (got,) = c.collect(token_ids=ids(200, 5), max_tokens=4, **GREEDY)
         assert got.usage.completion_tokens == 4
@@ -230,7 +230,7 @@ def test_hung_decode_before_any_token_moves_to_another_worker(fakes, real_decode
 def test_hung_decode_mid_stream_ends_unavailable_naming_the_worker(fakes):
     hung = fakes("d-hung", steps=2)
     with start_router_in_thread(router_config(decode_idle_timeout_s=0.5)) as router:
-        hung.register(router.address)
+        hung.register(router.internal_address)
         got = []
         with Client(router.address, timeout=30) as c, pytest.raises(grpc.RpcError) as err:
             for r in c.generate(token_ids=ids(300, 5), max_tokens=50, **GREEDY):
@@ -251,7 +251,7 @@ def test_stream_of_a_worker_dropped_for_missing_heartbeats_ends_naming_it(fakes)
     config = router_config(worker_timeout_s=1.0, decode_idle_timeout_s=600, decode_drop_grace_s=0.3)
     hung = fakes("d-cut", steps=1)
     with start_router_in_thread(config) as router:
-        hung.beat_until_stopped(router.address)
+        hung.beat_until_stopped(router.internal_address)
         with Client(router.address, timeout=60) as c, pytest.raises(grpc.RpcError) as err:
             for _ in c.generate(token_ids=ids(400, 5), max_tokens=50, **GREEDY):
                 hung.stop_beating()  # the first token arrived; now the link goes quiet
@@ -277,7 +277,7 @@ def test_a_batch_failure_is_retried_at_most_once_a_bad_request_never(fakes, code
     failing = [fakes(f"d-{i}", fail=(code, "engine step failed: boom")) for i in range(3)]
     with start_router_in_thread(router_config()) as router:
         for f in failing:
-            f.register(router.address)
+            f.register(router.internal_address)
         with Client(router.address, timeout=30) as c, pytest.raises(grpc.RpcError) as err:
             c.collect(token_ids=ids(500, 5), max_tokens=4, **GREEDY)
         assert err.value.code() == code
@@ -294,8 +294,8 @@ def test_a_batch_failure_is_retried_at_most_once_a_bad_request_never(fakes, code
 def test_a_prefill_past_its_bound_falls_back_to_local_prefill(fakes, real_decode):
     slow = fakes("p-slow", pool=worker_pb2.WORKER_POOL_PREFILL)
     with start_router_in_thread(router_config(prefill_timeout_s=0.5)) as router:
-        slow.register(router.address)
-        heartbeat(router.address, real_decode.stats())
+        slow.register(router.internal_address)
+        heartbeat(router.internal_address, real_decode.stats())
         with Client(router.address, timeout=30) as c:
             (got,) = c.collect(token_ids=ids(700, 20), max_tokens=3, **GREEDY)  # >= 8: Prefill
         assert got.usage.completion_tokens == 3
@@ -373,7 +373,7 @@ def test_full_waiting_queue_is_resource_exhausted_and_the_request_moves(small_wo
     full = small_worker("d-full", max_waiting=1)
     room = small_worker("d-room")
     with start_router_in_thread(router_config()) as router:
-        heartbeat(router.address, full.stats())  # idle when it reported: chosen first
+        heartbeat(router.internal_address, full.stats())  # idle when it reported: chosen first
         fill(full)
         with Client(router.address, timeout=30) as c:
             with pytest.raises(grpc.RpcError) as err:
@@ -384,7 +384,7 @@ def test_full_waiting_queue_is_resource_exhausted_and_the_request_moves(small_wo
             )
             assert router.live_worker_ids() == ["d-full"]  # full is not down
 
-            heartbeat(router.address, room.stats())
+            heartbeat(router.internal_address, room.stats())
             (got,) = c.collect(token_ids=ids(800, 5), max_tokens=3, **GREEDY)
             assert got.usage.completion_tokens == 3
         assert counter(router, "decode_refused") == 2
@@ -414,8 +414,8 @@ def test_worker_out_of_rpc_threads_is_resource_exhausted_and_the_request_moves(s
         )
         wait_for(lambda: busy.loop.call(lambda e: "blocked" in e.requests), what="blocked")
         with start_router_in_thread(router_config()) as router:
-            heartbeat(router.address, idle)
-            heartbeat(router.address, room.stats())
+            heartbeat(router.internal_address, idle)
+            heartbeat(router.internal_address, room.stats())
             with Client(router.address, timeout=30) as c:
                 (got,) = c.collect(token_ids=ids(900, 5), max_tokens=3, **GREEDY)
             assert got.usage.completion_tokens == 3
@@ -434,7 +434,7 @@ def test_channels_of_departed_workers_are_closed(fakes, real_decode):
     config = router_config(decode_idle_timeout_s=0.3)
     gone = fakes("d-gone")
     with start_router_in_thread(config) as router:
-        gone.register(router.address)
+        gone.register(router.internal_address)
         with Client(router.address, timeout=30) as c, pytest.raises(grpc.RpcError):
             c.collect(token_ids=ids(1000, 5), max_tokens=3, **GREEDY)  # opens the channel
         # The stalled worker was marked down and its call ended: channel closed.
@@ -442,17 +442,17 @@ def test_channels_of_departed_workers_are_closed(fakes, real_decode):
         assert counter(router, "channels_closed") == 1
 
         # A worker restarted by Ray on a new port: the old address's channel goes.
-        heartbeat(router.address, real_decode.stats())
+        heartbeat(router.internal_address, real_decode.stats())
         with Client(router.address, timeout=30) as c:
             c.collect(token_ids=ids(1001, 5), max_tokens=2, **GREEDY)
         old = router.call(lambda r: r._channels[real_decode.address])
         moved = real_decode.stats()
         moved.address = gone.address  # any other address
-        heartbeat(router.address, moved)
+        heartbeat(router.internal_address, moved)
         assert router.call(lambda r: sorted(r._channels)) == []
         wait_for(lambda: old._channel.closed(), what="the old channel to close")
         # A clean goodbye with no call open closes nothing more (nothing was opened).
-        goodbye(router.address, "d0")
+        goodbye(router.internal_address, "d0")
         assert counter(router, "channels_closed") == 2
     quiescent(real_decode)
 
@@ -489,7 +489,7 @@ BAD_INPUTS = [
 
 def test_input_limits_are_invalid_argument_and_touch_nothing(real_decode):
     with start_router_in_thread(router_config(**LIMITS)) as router:
-        heartbeat(router.address, real_decode.stats())
+        heartbeat(router.internal_address, real_decode.stats())
         before = real_decode.stats()
         with Client(router.address, timeout=30) as c:
             for kwargs, message in BAD_INPUTS:
@@ -552,7 +552,7 @@ def test_tokenizing_and_hashing_run_off_the_event_loop(real_decode, monkeypatch)
 
     monkeypatch.setattr(routing_mod, "hash_chain", on_thread("hash", routing_mod.hash_chain))
     with start_router_in_thread(router_config(prefix=PrefixRouting())) as router:
-        heartbeat(router.address, real_decode.stats())
+        heartbeat(router.internal_address, real_decode.stats())
         frontend = router.call(lambda r: r.frontend)
         monkeypatch.setattr(frontend, "tokenize", on_thread("tokenize", frontend.tokenize))
         with Client(router.address, timeout=30) as c:

@@ -63,7 +63,8 @@ from pagedserve.worker import start_worker
 engine = EngineConfig(model=sys.argv[1], dtype="float32", cache=CacheConfig(num_blocks=32),
                       scheduler=SchedulerConfig(max_model_len=128), num_threads=1)
 router = start_router_in_thread(RouterConfig(port=0, model=sys.argv[1], max_model_len=128))
-worker = start_worker(WorkerConfig("w0", "colocated", engine, registry_address=router.address,
+worker = start_worker(WorkerConfig("w0", "colocated", engine,
+                                   registry_address=router.internal_address,
                                    heartbeat_interval_s=0.2))
 try:
     import time

@@ -136,6 +136,9 @@ UNIT_FLAGS: dict[str, tuple[str, int, str]] = {
 # would collide on a fixed port. `--no-http` (HTTP_OFF_FLAG) turns it off.
 CLI_DEFAULTS: dict[str, Any] = {
     "RouterConfig.http_port": 8000,
+    # The internal listener: workers started on their own and `pagedserve status` dial
+    # a fixed port (RouterConfig's 0 keeps routers built in code apart).
+    "RouterConfig.internal_port": 50052,
     "ClusterSpec.router_http_port": 8000,
 }
 HTTP_OFF_FLAG = "--no-http"

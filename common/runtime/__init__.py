@@ -6,10 +6,12 @@ transports, heartbeats), `metrics` (a worker's Prometheus exporter),
 `protocol` (the one place protobuf <-> api/engine conversions live), `grpc_options`
 (plain constants), `leases` (the one ReleaseLease call and the workers' releaser),
 `servicer_support` (what both roles' servicers share), `prefix_index/` (the global
-prefix-hash index: embedded, Redis, over gRPC; the worker registry in Redis).
+prefix-hash index: embedded, Redis, over gRPC; the worker registry in Redis), `tls`
+(TLS and mutual TLS credentials from certificate files).
 
 May import: `pagedserve.common.api`, `pagedserve.common.core`, kvtransfer, the
 generated stubs, grpc, redis, prometheus_client. Never a role. The router imports
 only the torch-free modules here (`grpc_options`, `protocol`, `metrics_server`,
-`leases`, `prefix_index`): import-linter checks that none of them reaches the core.
+`leases`, `prefix_index`, `tls`): import-linter checks that none of them reaches the
+core.
 """

@@ -35,6 +35,13 @@ from pagedserve.common.runtime.peers import TrustedPeers
 from pagedserve.common.runtime.prefix_index import IndexPublisher, open_prefix_index
 from pagedserve.common.runtime.prefix_index.faults import Backoff, LogLimiter
 from pagedserve.common.runtime.prefix_index.remote import RemotePrefixIndex
+from pagedserve.common.runtime.tls import (
+    TLSFiles,
+    add_port,
+    channel,
+    internal_channel_credentials,
+    internal_server_credentials,
+)
 from pagedserve.kvtransfer.handle import KVLayout, local_host_id
 from pagedserve.kvtransfer.segment import SHM_DIR, free_bytes, remove_stale_segments
 from pagedserve.kvtransfer.source import KVSource, add_kvtransfer_service
@@ -67,7 +74,8 @@ class WorkerConfig:
     host: str = "127.0.0.1"  # where the gRPC server listens
     port: int = 0  # 0 = any free port
     advertise_host: str | None = None  # the address others dial; None = `host`
-    registry_address: str | None = None  # the router's Registry service (host:port)
+    # The router's internal listener (its Registry; router.internal_address), host:port.
+    registry_address: str | None = None
     heartbeat_interval_s: float = 1.0
     lease_ttl_s: float = 30.0  # exported KV not pulled within this is freed and counted
     kv_transport: Literal["auto", "shm", "grpc"] = "auto"
@@ -100,6 +108,11 @@ class WorkerConfig:
     # the registry's live workers of its model and this process's runtimes
     # (common/runtime/peers.py): for a worker without a registry.
     trusted_peers: tuple[str, ...] = ()
+    # Mutual TLS on the internal plane (common/runtime/tls.py): this worker's server,
+    # its heartbeats and index publishing to the router, and its KV pulls and lease
+    # releases to other workers. The certificate must name `advertise_host` (or `host`),
+    # the name the router and the other workers dial. None = plaintext.
+    internal_tls: TLSFiles | None = None
 
     def __post_init__(self) -> None:
         if self.pool not in POOL_TO_PB:
@@ -115,6 +128,8 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_peer_channels < 1 or self.kv_max_open_leases < 1:
             raise ValueError("max_peer_channels and kv_max_open_leases must be >= 1")
+        if self.internal_tls is not None:
+            self.internal_tls.require_ca("WorkerConfig.internal_tls (mutual TLS)")
         if self.kv_max_staged_bytes is not None and self.kv_max_staged_bytes < 1:
             raise ValueError(
                 f"kv_max_staged_bytes must be >= 1 or None: {self.kv_max_staged_bytes}"
@@ -146,7 +161,13 @@ class WorkerRuntime:
             options=SERVER_OPTIONS,
             maximum_concurrent_rpcs=config.max_rpc_threads,
         )
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        tls = config.internal_tls
+        # Mutual TLS both ways on the internal plane: who calls this server, and whom it calls.
+        self.channel_credentials = internal_channel_credentials(tls) if tls else None
+        server_credentials = internal_server_credentials(tls) if tls else None
+        self.port = add_port(self.server, f"{config.host}:{config.port}", server_credentials)
+        if self.port == 0:
+            raise OSError(f"worker {config.worker_id} cannot listen on {config.host}:{config.port}")
         self.address = f"{config.advertise_host or config.host}:{self.port}"
         self.host_id = local_host_id()
         # Where KV handles may be pulled from (peers.py); refreshed by the heartbeats.
@@ -181,17 +202,20 @@ class WorkerRuntime:
             mode=config.kv_transport,
             shm=ShmTransport(shm_dir),
             grpc_transport=GrpcTransport(
-                timeout_s=config.kv_pull_timeout_s, max_channels=config.max_peer_channels
+                timeout_s=config.kv_pull_timeout_s,
+                max_channels=config.max_peer_channels,
+                credentials=self.channel_credentials,
             ),
         )
         self.lease_releaser = LeaseReleaser(
-            ChannelCache(config.max_peer_channels), timeout_s=config.release_lease_timeout_s
+            ChannelCache(config.max_peer_channels, credentials=self.channel_credentials),
+            timeout_s=config.release_lease_timeout_s,
         )
         worker_pb2_grpc.add_WorkerStatusServicer_to_server(_StatusServicer(self), self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.loop.step_hooks.append(lambda _engine: self.kv_source.expire())
-        self.index_sync = IndexSync(config, self.engine)
+        self.index_sync = IndexSync(config, self.engine, self.channel_credentials)
         self.loop.step_hooks.append(self.index_sync)
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
@@ -267,7 +291,8 @@ class WorkerRuntime:
         self.health.enter_graceful_shutdown()
         if self.config.registry_address:
             try:
-                with grpc.insecure_channel(self.config.registry_address) as ch:
+                address = self.config.registry_address
+                with channel(address, self.channel_credentials) as ch:
                     worker_pb2_grpc.RegistryStub(ch).Goodbye(
                         worker_pb2.GoodbyeRequest(worker_id=self.config.worker_id), timeout=1.0
                     )
@@ -331,10 +356,12 @@ class WorkerRuntime:
         tries again; the Redis publisher backs off by itself and never raises.
         """
         address = self.config.registry_address
-        channel = (
-            grpc.insecure_channel(address, options=HEARTBEAT_CHANNEL_OPTIONS) if address else None
+        ch = (
+            channel(address, self.channel_credentials, HEARTBEAT_CHANNEL_OPTIONS)
+            if address
+            else None
         )
-        stub = worker_pb2_grpc.RegistryStub(channel) if channel else None
+        stub = worker_pb2_grpc.RegistryStub(ch) if ch else None
         log = LogLimiter(logger)
         while not self._stop.is_set():
             try:
@@ -345,8 +372,8 @@ class WorkerRuntime:
                 log.log(logging.ERROR, "bug", "heartbeat failed", exc_info=True)
             # The interval, or sooner when a KV handle names an unknown peer (peers.py).
             self.peers.wait_next_beat(self.config.heartbeat_interval_s, self._stop)
-        if channel is not None:
-            channel.close()
+        if ch is not None:
+            ch.close()
 
     def _beat_once(self, stub: worker_pb2_grpc.RegistryStub | None) -> None:
         stats = self.stats()
@@ -420,6 +447,7 @@ class IndexSync:
         self,
         config: WorkerConfig,
         engine: LLMEngine,
+        credentials: grpc.ChannelCredentials | None = None,
         retry_s: float = 0.25,
         max_retry_s: float = 5.0,
         max_queued_events: int = 1 << 16,
@@ -450,7 +478,7 @@ class IndexSync:
                 config.redis_url, engine.model_id, name=client_name("worker", config.worker_id)
             )
         elif config.index_address:
-            index = RemotePrefixIndex(config.index_address, timeout_s=0.5)
+            index = RemotePrefixIndex(config.index_address, timeout_s=0.5, credentials=credentials)
         if index is not None:
             self.publisher = IndexPublisher(
                 index,

@@ -1,4 +1,5 @@
-"""The publishing half of a PrefixIndex, over gRPC to the router's embedded index.
+"""The publishing half of a PrefixIndex, over gRPC to the router's embedded index
+(served on the router's internal listener, never its public port).
 
 Workers run in other processes (Ray actors) than the router that holds the embedded
 index; this client lets their IndexPublisher call `apply`, `resync`, `heartbeat`
@@ -21,6 +22,7 @@ from pagedserve.common.runtime.prefix_index.base import (
     PrefixIndex,
     WorkerIndexState,
 )
+from pagedserve.common.runtime.tls import channel
 from pagedserve.v1 import index_pb2, index_pb2_grpc
 
 RESULT_CODES = {r: i for i, r in enumerate(ApplyResult)}  # wire code <-> ApplyResult
@@ -28,10 +30,17 @@ RESULTS_BY_CODE = dict(enumerate(ApplyResult))
 
 
 class RemotePrefixIndex(PrefixIndex):
-    def __init__(self, address: str, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 2.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        """address: the router's internal listener; credentials: its mutual TLS
+        (common/runtime/tls.py internal_channel_credentials), None = plaintext."""
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address)
+        self._channel = channel(address, credentials)
         self._stub = index_pb2_grpc.PrefixIndexStub(self._channel)
 
     def _call(self, method, request):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import replace
 
 from pagedserve.common.core.loader import LoadedModel
@@ -29,6 +30,21 @@ def start_worker(config: WorkerConfig, loaded: LoadedModel | None = None) -> Wor
     worker_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(rt), rt.server)
     worker_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(rt), rt.server)
     return rt.start()
+
+
+def auto_advertise_host(config: WorkerConfig) -> str:
+    """What a worker listening on 0.0.0.0 tells its peers to dial.
+
+    With mutual TLS its peers check the name in its certificate, and a certificate
+    names hosts, not the pod IPs a scheduler hands out: it advertises its fully
+    qualified name (under Kubernetes, `<pod>.<headless service>.<namespace>.svc...`,
+    which deploy/'s certificates cover). Without TLS, this node's IP as Ray sees it.
+    """
+    if config.internal_tls is not None:
+        return socket.getfqdn()
+    import ray
+
+    return ray.util.get_node_ip_address()
 
 
 class WorkerActor:
@@ -51,10 +67,8 @@ class WorkerActor:
             # The paths were checked where the config was built, maybe on another node:
             # check them here too, where the worker reads them (a clear error, not gRPC's).
             replace(config.internal_tls)
-        if config.advertise_host == "auto":  # listening on 0.0.0.0: advertise this node's IP
-            import ray
-
-            config = replace(config, advertise_host=ray.util.get_node_ip_address())
+        if config.advertise_host == "auto":  # listening on 0.0.0.0: advertise this node
+            config = replace(config, advertise_host=auto_advertise_host(config))
         self.config = config
         self.runtime = start_worker(config)
 

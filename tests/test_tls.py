@@ -387,3 +387,16 @@ def test_status_over_mutual_tls_needs_the_internal_certificate(secure, certs, ca
         assert "UNAVAILABLE" in capsys.readouterr().err
     assert admin_cli.main("status", [*argv, *mtls[:4]], out=io.StringIO()) == 2  # no CA
     assert "needs a CA file" in capsys.readouterr().err
+
+
+def test_a_worker_on_all_interfaces_advertises_a_name_its_certificate_can_carry(certs):
+    """Under mutual TLS a worker listening on 0.0.0.0 advertises its FQDN (certificates
+    name hosts, deploy/'s cover the headless Service names), not its pod IP."""
+    import socket
+
+    from pagedserve.common.runtime.worker import WorkerConfig
+    from pagedserve.worker import auto_advertise_host
+
+    config = WorkerConfig(worker_id="d0", pool="decode", host="0.0.0.0", advertise_host="auto")
+    secured = dataclasses.replace(config, internal_tls=certs.internal)
+    assert auto_advertise_host(secured) == socket.getfqdn()

@@ -945,10 +945,8 @@ def main(argv: list[str] | None = None) -> int:
             # the running step: a long prefill on this loaded CPU can outlast the 3 s
             # default and get a busy worker dropped from routing.
             worker_timeout_s=args.worker_timeout_s,
-            router_options={
-                "max_model_len": max_model_len,
-                **({"http_port": 0} if args.api == "openai" else {}),  # issue 12: http
-            },
+            router_http_port=0 if args.api == "openai" else None,  # the HTTP API, any port
+            router_options={"max_model_len": max_model_len},
         )
         progress(f"{cfg.name}: {cfg.num_prefill} prefill + {cfg.num_decode} decode worker(s)")
         with Cluster(spec) as cluster:

@@ -405,23 +405,13 @@ class _CompletionFormat(_Format):
         if not (r.text or r.finish_reason or (r.token_ids and (self.top >= 0 or self.token_ids))):
             return None
         finish = FINISH_REASONS.get(r.finish_reason) if r.finish_reason else None
-        choice = {
-            "index": c.index,
-            "text": r.text,
-            "logprobs": self.logprobs(c, list(r.logprobs)),
-            "finish_reason": finish,
-            "stop_reason": _stop_reason(r),
-        }
+        choice = {"index": c.index, "text": r.text, "logprobs": self.logprobs(c, list(r.logprobs))}
+        choice.update(finish_reason=finish, stop_reason=_stop_reason(r))
         return self.envelope(self.object_chunk, [self.with_ids(choice, list(r.token_ids))])
 
     def final_choice(self, c: _Choice) -> dict[str, Any]:
-        choice = {
-            "index": c.index,
-            "text": c.text,
-            "logprobs": self.logprobs(c, c.logprobs),
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
+        choice = {"index": c.index, "text": c.text, "logprobs": self.logprobs(c, c.logprobs)}
+        choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
         return self.with_ids(choice, c.token_ids)
 
 

@@ -62,10 +62,8 @@ class Cluster:
     def address(self) -> str:
         return self.router.address
 
-    @property
-    def internal_address(self) -> str:
-        """The router's internal listener: what workers register and publish at."""
-        return self.router.internal_address
+    # The router's internal listener: what workers register and publish at.
+    internal_address = property(lambda self: self.router.internal_address)
 
     def client(self, timeout: float | None = 60.0) -> Client:
         return Client(self.address, timeout=timeout)

@@ -117,6 +117,31 @@ def _timed_prefix_imports() -> list[float]:
     return times
 
 
+def _recorded_phases(log) -> list[tuple[str, float, float | None, int]]:
+    """Records, per request ending on this engine, (request id, queue s, prefill s, tokens
+    of its first step: its own and those of the requests computed with it), by wrapping
+    the engine's RequestStatsLog hooks (the engine thread calls them)."""
+    records: list[tuple[str, float, float | None, int]] = []
+    step_tokens: dict[str, int] = {}
+    scheduled, done = log.scheduled, log.done
+
+    def on_scheduled(sched) -> None:
+        for item in (*sched.prefills, *sched.decodes):
+            step_tokens.setdefault(item.seq.request.request_id, sched.num_batched_tokens)
+        scheduled(sched)
+
+    def on_done(req) -> None:
+        t = log._times.get(req.request_id)
+        done(req)
+        tokens = step_tokens.pop(req.request_id, 0)
+        if t is not None and t.scheduled is not None:
+            first = None if t.first_token is None else t.first_token - t.scheduled
+            records.append((req.request_id, t.scheduled - req.arrival_time, first, tokens))
+
+    log.scheduled, log.done = on_scheduled, on_done
+    return records
+
+
 def _worker_main(conn, config) -> None:
     """A worker in its own process, driven by commands on `conn`."""
     import torch
@@ -126,6 +151,7 @@ def _worker_main(conn, config) -> None:
     torch.set_num_threads(1)
     pulls = _timed_prefix_imports()
     rt = start_worker(config)
+    phases = _recorded_phases(rt.engine.request_stats)
     conn.send(rt.address)
     while True:
         cmd = conn.recv()
@@ -133,8 +159,9 @@ def _worker_main(conn, config) -> None:
             s = rt.loop.call(lambda e: e.stats())
             conn.send({"prefill_tokens": s.prefill_tokens, "preemptions": s.num_preemptions})
         elif cmd == "phases":  # the engine's per-request phases and the pulls, since last asked
-            done = rt.loop.call(lambda e: list(e.request_stats.drain()))
-            conn.send(([(d.queue_s, d.prefill_s) for d in done], pulls[:]))
+            done = rt.loop.call(lambda e: phases[:])
+            conn.send((done, pulls[:]))
+            rt.loop.call(lambda e: phases.clear())
             pulls.clear()
         elif cmd == "evict":
             conn.send(rt.loop.call(lambda e: e.block_manager.evict()))
@@ -388,8 +415,9 @@ def phase_split(probe: Probe, worker_phases, ttfts_ms: list[float], routes: list
     requests, and each worker's share of the requests and of the computed tokens.
     """
     n = max(1, len(ttfts_ms))
-    queue = [q for q, _ in worker_phases[0]]
-    prefill = [p for _, p in worker_phases[0] if p is not None]
+    records = {rid: (q, p, tokens) for rid, q, p, tokens in worker_phases[0]}
+    queue = [q for q, _, _ in records.values()]
+    prefill = [p for _, p, _ in records.values() if p is not None]
     pulls = worker_phases[1]
 
     def mean_ms(values, count=None) -> float:
@@ -411,6 +439,15 @@ def phase_split(probe: Probe, worker_phases, ttfts_ms: list[float], routes: list
     split["cold_requests"] = len(cold)
     split["worker_cold"] = mean_ms(probe.worker[r] for r in cold if r in probe.worker)
     split["worker_warm"] = mean_ms(probe.worker[r] for r in warm if r in probe.worker)
+    # Warm requests whose first step also computed someone's cold prefill (>= COLD_TOKENS
+    # more than their own), against those whose step did not.
+    shared = [
+        r for r in warm if r in records and records[r][2] - probe.decisions[r][1] >= COLD_TOKENS
+    ]
+    alone = [r for r in warm if r in records and r not in shared]
+    split["warm_behind_cold"] = len(shared)
+    split["prefill_warm_behind_cold"] = mean_ms(records[r][1] or 0.0 for r in shared)
+    split["prefill_warm_alone"] = mean_ms(records[r][1] or 0.0 for r in alone)
     per_worker: dict[str, list[int]] = {}
     for wid, compute, _, _ in probe.decisions.values():
         counts = per_worker.setdefault(wid, [0, 0])
@@ -722,6 +759,13 @@ def print_split(splits: dict[str, dict]) -> None:
         cells += [f"{sp['cold_requests']:>6}", f"{sp['worker_cold']:>8.1f}"]
         cells += [f"{sp['worker_warm']:>8.1f}", f"{sp['pulls']:>5}"]
         print("  ".join(cells))
+    print("warm requests whose first step also computed a cold prefill: n, their prefill ms;")
+    print("the other warm requests' prefill ms:")
+    for name, sp in splits.items():
+        print(
+            f"  {name}: {sp['warm_behind_cold']}, {sp['prefill_warm_behind_cold']:.1f};"
+            f" {sp['prefill_warm_alone']:.1f}"
+        )
     print("requests / prompt tokens to compute, per worker:")
     for name, sp in splits.items():
         shares = ", ".join(f"{w} {n}/{t}" for w, (n, t) in sp["per_worker"].items())

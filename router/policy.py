@@ -159,9 +159,11 @@ class Backlog:
     The router does not see when a worker's prefill ends (the policy is not told of a
     first token), hence the drain at the configured rate: an estimate that is too slow
     only spreads requests a little more eagerly (a pull instead of a short wait), one
-    that is too fast falls back to the load term alone. Not clamped by
-    `WorkerInfo.inflight`: the dispatcher opens its call only after an ExportPrefix,
-    and requests ranked meanwhile must already see the tokens queued.
+    that is too fast falls back to the load term alone. A worker on which this router
+    has no call open (`WorkerInfo.inflight` 0) has nothing of its queued: 0, whatever
+    the drain says (requests sent one after another never see the previous one's
+    tokens). The price: between a decision and the dispatcher opening its call (after
+    an ExportPrefix) the chosen worker's backlog reads 0.
     """
 
     def __init__(self, tokens_per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
@@ -169,14 +171,16 @@ class Backlog:
         self.clock = clock
         self._queued: dict[str, tuple[float, float]] = {}  # worker id -> (tokens, as of when)
 
-    def tokens(self, worker_id: str) -> float:
-        """Tokens still queued on the worker now."""
-        queued, since = self._queued.get(worker_id, (0.0, 0.0))
+    def tokens(self, w: WorkerInfo) -> float:
+        """Tokens still queued on `w` now."""
+        if not w.inflight:
+            return 0.0
+        queued, since = self._queued.get(w.worker_id, (0.0, 0.0))
         return max(0.0, queued - (self.clock() - since) * self.tokens_per_s)
 
-    def add(self, worker_id: str, tokens: float) -> None:
-        """The worker is sent `tokens` more to compute."""
-        self._queued[worker_id] = (self.tokens(worker_id) + tokens, self.clock())
+    def add(self, w: WorkerInfo, tokens: float) -> None:
+        """`w` is sent `tokens` more to compute."""
+        self._queued[w.worker_id] = (self.tokens(w) + tokens, self.clock())
 
 
 class LeastLoadedPolicy(RoutingPolicy):
@@ -262,7 +266,7 @@ class PrefixAwarePolicy(RoutingPolicy):
 
     def assigned(self, worker: WorkerInfo, tokens: int) -> None:
         """`worker`'s backlog grows by the tokens it was sent to compute."""
-        self.backlog.add(worker.worker_id, tokens)
+        self.backlog.add(worker, tokens)
 
     def rank(
         self, role: str, request: RouteRequest, candidates: Sequence[WorkerInfo]
@@ -284,7 +288,7 @@ class PrefixAwarePolicy(RoutingPolicy):
         # other cached prefixes, some of which will be computed again.
         new_blocks = match.num_blocks - own if match else 0
         evicted = evictions(w, new_blocks)
-        queued = self.backlog.tokens(w.worker_id)
+        queued = self.backlog.tokens(w)
         cost = (
             self.config.prefix_weight * (queued + compute + transfer_tokens)
             + self.config.evict_weight * evicted * bs

@@ -635,8 +635,12 @@ def test_a_hot_prefix_moves_by_a_pull_while_its_holder_prefills_a_cold_prompt():
     policy.assigned(holder, 300)
     now[0] = 0.35
     policy.assigned(holder, 20)
-    assert policy.backlog.tokens("h") == pytest.approx(250 + 20)
-    assert policy.backlog.tokens("o") == 0.0
+    assert policy.backlog.tokens(holder) == pytest.approx(250 + 20)
+    assert policy.backlog.tokens(other) == 0.0
+    # No call of this router open on h any more: nothing of ours is queued there.
+    holder.inflight = 0
+    assert policy.backlog.tokens(holder) == 0.0
+    assert ranked(warm)[0] == ("h", 20, None, 20.0)
 
 
 def test_routing_tells_the_policy_which_worker_computes_a_prompt():
@@ -656,20 +660,23 @@ def test_routing_tells_the_policy_which_worker_computes_a_prompt():
         return ResolvedRequest("r", ids, None, None), RouteRequest("r", ids, None, match)
 
     def queued() -> dict[str, float]:
-        return {w: policy.backlog.tokens(w) for w in ("a", "b", "p")}
+        return {w.worker_id: policy.backlog.tokens(w) for w in (a, b, p)}
 
     short, rr = request(40)  # under disagg_min_prompt_tokens: prefilled where it decodes
     choice = routing.pick("decode", rr, set())
     assert choice.worker is a and queued() == {"a": 0.0, "b": 0.0, "p": 0.0}  # only ranked
     assert routing.disaggregate(short, choice) is False
+    a.inflight = 1  # the dispatcher's Decode call (dispatch.py)
     assert queued() == {"a": 40.0, "b": 0.0, "p": 0.0}
     # The next one goes to b (a has 40 tokens queued), and b computes it.
     choice = routing.pick("decode", rr, set())
     assert choice.worker is b and routing.disaggregate(short, choice) is False
+    b.inflight = 1
     assert queued() == {"a": 40.0, "b": 40.0, "p": 0.0}
     # A long prompt is prefilled on p: p computes it, the decode worker only imports it.
     long, rr = request(100)
     assert routing.disaggregate(long, routing.pick("decode", rr, set())) is True
     assert routing.pick("prefill", rr, set()).worker is p
+    p.inflight = 1
     routing.pick("decode", rr, set())  # ranked again after the Prefill
     assert queued() == {"a": 40.0, "b": 40.0, "p": 100.0}

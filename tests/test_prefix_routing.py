@@ -237,6 +237,30 @@ def test_requests_sharing_a_system_prompt_land_where_the_prefix_is(cluster, llm)
     cluster.wait_quiescent()
 
 
+def test_the_benchmark_switches_the_policy_the_router_routes_with(embedded_cluster):
+    """benchmarks/prefix_routing.py compares policies on one router: each phase must
+    route with its own (setting `Router.policy` alone changed nothing after the split)."""
+    from benchmarks.prefix_routing import set_policy
+
+    router = embedded_cluster.router
+    default = router.call(lambda r: r.routing.policy)
+    baseline = RoundRobinPolicy()
+    try:
+        set_policy(router, baseline)
+        assert router.call(lambda r: r.routing.policy) is baseline
+        ids = prompt(151, 40)
+        got = router.call(
+            lambda r: [r.pick("decode", r.route_request(resolved(ids)), set()) for _ in "ab"]
+        )
+        assert [s.inputs for s in got] == [{"turn": 0.0}, {"turn": 1.0}]  # round-robin's own
+    finally:
+        set_policy(router, default)
+
+
+def resolved(ids: list[int]) -> ResolvedRequest:
+    return ResolvedRequest("bench", ids, None, None)  # type: ignore[arg-type]
+
+
 def test_second_chat_turn_lands_on_the_decode_worker_holding_the_first(cluster, llm):
     turn1 = prompt(201 + len(cluster.address), 45)
     answer = serve_directly(cluster.workers["d1"], turn1, max_tokens=12)  # d1 served turn 1

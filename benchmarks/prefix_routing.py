@@ -37,6 +37,14 @@ and ranking) p50 and p99 under that load. An idle measurement of the routing
 decision alone against the populated Redis index follows (`route idle`). Targets
 (issue 6): hit rate within 10% of the oracle, mean TTFT >= 3x better than
 round-robin, router p50 <= 2 ms.
+
+Where TTFT goes (issue 13), per policy, mean ms per request (`phase_split`): route
+(router), export (ExportPrefix calls), worker (Decode call -> first step), and within
+it the worker's prefix pull, the engine queue and the first step (the engines' own
+per-request phases), plus cold vs warm requests and the warm ones whose first step
+also computed someone's cold prefill. Measuring wraps a few of the router's and the
+workers' methods inside this benchmark's own processes (`install_probe`,
+`_recorded_phases`, `_timed_prefix_imports`); nothing is changed elsewhere.
 """
 
 from __future__ import annotations
@@ -98,6 +106,50 @@ def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
 # ---- worker processes ---------------------------------------------------------------------
 
 
+def _timed_prefix_imports() -> list[float]:
+    """Times every prefix pull of this worker process (`import_prefix`: the Decode
+    handler's pull of a prefix from its holder, before the request enters the engine)."""
+    import pagedserve.decode_worker.servicer as servicer
+
+    times: list[float] = []
+    pull = servicer.import_prefix
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return pull(*args, **kwargs)
+        finally:
+            times.append(time.perf_counter() - t0)
+
+    servicer.import_prefix = timed
+    return times
+
+
+def _recorded_phases(log) -> list[tuple[str, float, float | None, int]]:
+    """Records, per request ending on this engine, (request id, queue s, prefill s, tokens
+    of its first step: its own and those of the requests computed with it), by wrapping
+    the engine's RequestStatsLog hooks (the engine thread calls them)."""
+    records: list[tuple[str, float, float | None, int]] = []
+    step_tokens: dict[str, int] = {}
+    scheduled, done = log.scheduled, log.done
+
+    def on_scheduled(sched) -> None:
+        for item in (*sched.prefills, *sched.decodes):
+            step_tokens.setdefault(item.seq.request.request_id, sched.num_batched_tokens)
+        scheduled(sched)
+
+    def on_done(req) -> None:
+        t = log._times.get(req.request_id)
+        done(req)
+        tokens = step_tokens.pop(req.request_id, 0)
+        if t is not None and t.scheduled is not None:
+            first = None if t.first_token is None else t.first_token - t.scheduled
+            records.append((req.request_id, t.scheduled - req.arrival_time, first, tokens))
+
+    log.scheduled, log.done = on_scheduled, on_done
+    return records
+
+
 def _worker_main(conn, config) -> None:
     """A worker in its own process, driven by commands on `conn`."""
     import torch
@@ -105,13 +157,20 @@ def _worker_main(conn, config) -> None:
     from pagedserve.worker import start_worker
 
     torch.set_num_threads(1)
+    pulls = _timed_prefix_imports()
     rt = start_worker(config)
+    phases = _recorded_phases(rt.engine.request_stats)
     conn.send(rt.address)
     while True:
         cmd = conn.recv()
         if cmd == "stats":
             s = rt.loop.call(lambda e: e.stats())
             conn.send({"prefill_tokens": s.prefill_tokens, "preemptions": s.num_preemptions})
+        elif cmd == "phases":  # the engine's per-request phases and the pulls, since last asked
+            done = rt.loop.call(lambda e: phases[:])
+            conn.send((done, pulls[:]))
+            rt.loop.call(lambda e: phases.clear())
+            pulls.clear()
         elif cmd == "evict":
             conn.send(rt.loop.call(lambda e: e.block_manager.evict()))
         elif cmd == "stop":
@@ -279,14 +338,161 @@ def run_clients(address: str, workload: Workload, args) -> tuple[list[tuple[int,
         proc.join(10)
 
 
-def run_phase(name: str, router, workers: list[WorkerProcess], workload, args) -> Row:
+# ---- where TTFT goes ------------------------------------------------------------------------
+
+
+@dataclass
+class Probe:
+    """Per-request timings on the router (installed by `install_probe`, on its loop).
+
+    decisions: request id -> (worker, prompt tokens the policy expects it to compute,
+    blocks it plans to pull, the worker's load then); exports: request id -> ExportPrefix
+    seconds; worker: request id -> seconds from the Decode call to its first step (the
+    worker's pull + queue + prefill + the step's way back).
+    """
+
+    decisions: dict[str, tuple[str, int, int, float]] = field(default_factory=dict)
+    exports: dict[str, float] = field(default_factory=dict)
+    worker: dict[str, float] = field(default_factory=dict)
+
+    def take(self) -> Probe:
+        out = Probe(dict(self.decisions), dict(self.exports), dict(self.worker))
+        for records in (self.decisions, self.exports, self.worker):
+            records.clear()
+        return out
+
+
+def install_probe(r) -> Probe:
+    """Wraps the router's `routing.pick`, `dispatcher._export_prefix` and the Decode
+    stream relay (instance attributes: nothing outside this process changes)."""
+    probe = Probe()
+    pick, export, relay = r.routing.pick, r.dispatcher._export_prefix, r.decode_streams.relay
+
+    def timed_pick(role, rr, exclude):
+        scored = pick(role, rr, exclude)
+        if scored is not None and role == "decode":
+            compute = scored.compute_tokens
+            probe.decisions[rr.request_id] = (
+                scored.worker.worker_id,
+                len(rr.prompt_token_ids) if compute is None else compute,
+                scored.pull.blocks if scored.pull else 0,
+                float(scored.inputs.get("load", scored.worker.inflight)),
+            )
+        return scored
+
+    async def timed_export(ctx, scored):
+        t0 = time.perf_counter()
+        try:
+            return await export(ctx, scored)
+        finally:
+            probe.exports[ctx.request.request_id] = time.perf_counter() - t0
+
+    async def timed_relay(worker, req, timeout):
+        t0 = time.perf_counter()
+        async with contextlib.aclosing(relay(worker, req, timeout)) as steps:
+            async for step in steps:
+                probe.worker.setdefault(req.request.request_id, time.perf_counter() - t0)
+                yield step
+
+    r.routing.pick = timed_pick
+    r.dispatcher._export_prefix = timed_export
+    r.decode_streams.relay = timed_relay
+    return probe
+
+
+def set_policy(router, policy) -> None:
+    """The policy the router routes with (Routing holds its own reference)."""
+
+    def swap(r) -> None:
+        r.policy = r.routing.policy = policy
+
+    router.call(swap)
+
+
+COLD_TOKENS = 128  # a request computing at least this many prompt tokens is "cold"
+
+
+def phase_split(probe: Probe, worker_phases, ttfts_ms: list[float], routes: list[float]) -> dict:
+    """Mean ms per request of each part of TTFT, and the requests per worker.
+
+    route: arrival -> decision (router); export: the ExportPrefix call (router, over all
+    requests, 0 where none); worker: the Decode call -> its first step back; within
+    it (the engines' and pulls' own clocks): pull (the worker's import of a prefix),
+    queue (arrival in the engine -> first step computing it), prefill (that step ->
+    first token); other: TTFT - route - export - worker (the client, gRPC, tokenizing,
+    admission). Then the same TTFT over cold (>= COLD_TOKENS to compute) and warm
+    requests, and each worker's share of the requests and of the computed tokens.
+    """
+    n = max(1, len(ttfts_ms))
+    records = {rid: (q, p, tokens) for rid, q, p, tokens in worker_phases[0]}
+    queue = [q for q, _, _ in records.values()]
+    prefill = [p for _, p, _ in records.values() if p is not None]
+    pulls = worker_phases[1]
+
+    def mean_ms(values, count=None) -> float:
+        values = list(values)
+        return round(1000 * sum(values) / max(1, count or len(values)), 1)
+
+    split = {
+        "ttft": round(statistics.fmean(ttfts_ms), 1) if ttfts_ms else 0.0,
+        "route": mean_ms(routes),
+        "export": mean_ms(probe.exports.values(), n),
+        "worker": mean_ms(probe.worker.values()),
+        "pull": mean_ms(pulls, n),
+        "queue": mean_ms(queue),
+        "prefill": mean_ms(prefill),
+    }
+    split["other"] = round(split["ttft"] - split["route"] - split["export"] - split["worker"], 1)
+    cold = [rid for rid, d in probe.decisions.items() if d[1] >= COLD_TOKENS]
+    warm = [rid for rid in probe.decisions if rid not in cold]
+    split["cold_requests"] = len(cold)
+    split["worker_cold"] = mean_ms(probe.worker[r] for r in cold if r in probe.worker)
+    split["worker_warm"] = mean_ms(probe.worker[r] for r in warm if r in probe.worker)
+    # Warm requests whose first step also computed someone's cold prefill (>= COLD_TOKENS
+    # more than their own), against those whose step did not.
+    shared = [
+        r for r in warm if r in records and records[r][2] - probe.decisions[r][1] >= COLD_TOKENS
+    ]
+    alone = [r for r in warm if r in records and r not in shared]
+    split["warm_behind_cold"] = len(shared)
+    split["prefill_warm_behind_cold"] = mean_ms(records[r][1] or 0.0 for r in shared)
+    split["prefill_warm_alone"] = mean_ms(records[r][1] or 0.0 for r in alone)
+    per_worker: dict[str, list[int]] = {}
+    for wid, compute, _, _ in probe.decisions.values():
+        counts = per_worker.setdefault(wid, [0, 0])
+        counts[0] += 1
+        counts[1] += compute
+    split["per_worker"] = {w: per_worker[w] for w in sorted(per_worker)}
+    split["pulls"] = sum(1 for d in probe.decisions.values() if d[2])
+    return split
+
+
+def worker_phases(workers: list[WorkerProcess]) -> tuple[list, list[float]]:
+    """Every worker's engine phases [(queue s, prefill s)] and pull times since last asked."""
+    phases: list = []
+    pulls: list[float] = []
+    for w in workers:
+        p, t = w.ask("phases")
+        phases += p
+        pulls += t
+    return phases, pulls
+
+
+def run_phase(
+    name: str, router, workers: list[WorkerProcess], workload, args, probe: Probe
+) -> tuple[Row, dict]:
+    """One policy's run: its row and where its TTFT went (`phase_split`)."""
     computed0 = total_computed(workers)
     pre0 = sum(w.ask("stats")["preemptions"] for w in workers)
     c0 = router.call(lambda r: dict(r.counters))
     router.call(lambda r: r.route_latencies.clear())
+    worker_phases(workers)
+    router.call(lambda r: probe.take())
     records, wall = run_clients(router.address, workload, args)
     c1 = router.call(lambda r: dict(r.counters))
     routes = router.call(lambda r: list(r.route_latencies))
+    phases = worker_phases(workers)
+    taken = router.call(lambda r: probe.take())
     row = Row(name, len(workers), requests=len(records), wall_s=round(wall, 2))
     row.prompt_tokens = sum(n for n, _ in records)
     row.computed_tokens = total_computed(workers) - computed0
@@ -302,7 +508,7 @@ def run_phase(name: str, router, workers: list[WorkerProcess], workload, args) -
     row.route_p50_ms = round(percentile(routes, 50) * 1000, 3)
     row.route_p99_ms = round(percentile(routes, 99) * 1000, 3)
     print(f"  {name}: {row.requests} requests in {row.wall_s} s", flush=True)
-    return row
+    return row, phase_split(taken, phases, row.ttfts_ms, routes)
 
 
 def reset_caches(router, workers: list[WorkerProcess]) -> None:
@@ -402,12 +608,12 @@ def warm_up(router, args) -> None:
     from pagedserve.router.client import Client
     from pagedserve.router.policy import RoundRobinPolicy
 
-    policy = router.call(lambda r: r.policy)
-    router.call(lambda r: setattr(r, "policy", RoundRobinPolicy()))
+    policy = router.call(lambda r: r.routing.policy)
+    set_policy(router, RoundRobinPolicy())
     with Client(router.address, timeout=600) as c:
         for i in range(len(router.live_worker_ids())):
             c.collect(token_ids=[3 + i] * 40, max_tokens=2, temperature=0.0)
-    router.call(lambda r: setattr(r, "policy", policy))
+    set_policy(router, policy)
 
 
 def run(args: argparse.Namespace, redis_url: str) -> dict:
@@ -417,6 +623,7 @@ def run(args: argparse.Namespace, redis_url: str) -> dict:
 
     model_dir = str(resolve_model_dir(args.model, progress=print))
     rows: list[Row] = []
+    splits: dict[str, dict] = {}  # policy -> phase_split
 
     print("oracle: one worker, unbounded cache ...", flush=True)
     config = router_config(args, model_dir, None)
@@ -428,10 +635,12 @@ def run(args: argparse.Namespace, redis_url: str) -> dict:
     try:
         oracle = start_workers(oracle_router, args, model_dir, 1, args.oracle_blocks, None, "o")
         try:
+            probe = oracle_router.call(install_probe)
             warm_up(oracle_router, args)
             reset_caches(oracle_router, oracle)
             name = "oracle (1 worker, unbounded cache)"
-            rows.append(run_phase(name, oracle_router, oracle, workload, args))
+            row, splits[name] = run_phase(name, oracle_router, oracle, workload, args, probe)
+            rows.append(row)
         finally:
             for w in oracle:
                 w.stop()
@@ -446,23 +655,25 @@ def run(args: argparse.Namespace, redis_url: str) -> dict:
             router, args, model_dir, args.workers, args.blocks_per_worker, redis_url, "w"
         )
         try:
+            probe = router.call(install_probe)
             warm_up(router, args)
-            prefix_policy = router.call(lambda r: r.policy)
+            prefix_policy = router.call(lambda r: r.routing.policy)
             for name, policy in (
                 ("round-robin", RoundRobinPolicy()),
                 ("least-loaded", LeastLoadedPolicy()),
                 ("prefix-aware", prefix_policy),
             ):
                 reset_caches(router, workers)
-                router.call(lambda r, p=policy: setattr(r, "policy", p))
-                rows.append(run_phase(name, router, workers, workload, args))
+                set_policy(router, policy)
+                row, splits[name] = run_phase(name, router, workers, workload, args, probe)
+                rows.append(row)
             idle = idle_route_latency(router, workload)
         finally:
             for w in workers:
                 w.stop()
     finally:
         router.stop()
-    return summarize(rows, idle, args, model_dir)
+    return summarize(rows, splits, idle, args, model_dir)
 
 
 def redact(url: str) -> str:
@@ -471,7 +682,9 @@ def redact(url: str) -> str:
     return redact_url(url)
 
 
-def summarize(rows: list[Row], idle: tuple[float, float], args, model_dir: str) -> dict:
+def summarize(
+    rows: list[Row], splits: dict[str, dict], idle: tuple[float, float], args, model_dir: str
+) -> dict:
     by = {r.policy.split(" ")[0]: r for r in rows}
     pa, rr, oracle = by["prefix-aware"], by["round-robin"], by["oracle"]
     ratios = {
@@ -487,6 +700,7 @@ def summarize(rows: list[Row], idle: tuple[float, float], args, model_dir: str) 
     return {
         "config": {k: v for k, v in vars(args).items() if k != "json"} | {"model_dir": model_dir},
         "rows": [{k: v for k, v in asdict(r).items() if k != "ttfts_ms"} for r in rows],
+        "splits": splits,
         "route_idle_p50_ms": round(idle[0], 3),
         "route_idle_p99_ms": round(idle[1], 3),
         "ratios": ratios,
@@ -518,6 +732,7 @@ def print_table(result: dict) -> None:
                 value = f"{value:.1%}"
             cells.append(f"{value:{fmt}}")
         print("  ".join(cells))
+    print_split(result["splits"])
     r = result["ratios"]
     print()
     print(
@@ -537,6 +752,33 @@ def print_table(result: dict) -> None:
         f"router decision with the Redis index, idle: p50 {result['route_idle_p50_ms']:.3f} ms, "
         f"p99 {result['route_idle_p99_ms']:.3f} ms  (target p50 <= 2 ms)"
     )
+
+
+def print_split(splits: dict[str, dict]) -> None:
+    """Where TTFT went, mean ms per request (see `phase_split`)."""
+    keys = ["ttft", "route", "export", "worker", "pull", "queue", "prefill", "other"]
+    print()
+    print("TTFT split, mean ms per request (worker = pull + queue + prefill + the way back;")
+    print("cold = the policy expected >= 128 prompt tokens to compute)")
+    head = ["policy".ljust(34)] + [k.rjust(7) for k in keys]
+    head += ["cold n".rjust(6), "wkr cold".rjust(8), "wkr warm".rjust(8), "pulls".rjust(5)]
+    print("  ".join(head))
+    for name, sp in splits.items():
+        cells = [name[:34].ljust(34)] + [f"{sp[k]:>7.1f}" for k in keys]
+        cells += [f"{sp['cold_requests']:>6}", f"{sp['worker_cold']:>8.1f}"]
+        cells += [f"{sp['worker_warm']:>8.1f}", f"{sp['pulls']:>5}"]
+        print("  ".join(cells))
+    print("warm requests whose first step also computed a cold prefill: n, their prefill ms;")
+    print("the other warm requests' prefill ms:")
+    for name, sp in splits.items():
+        print(
+            f"  {name}: {sp['warm_behind_cold']}, {sp['prefill_warm_behind_cold']:.1f};"
+            f" {sp['prefill_warm_alone']:.1f}"
+        )
+    print("requests / prompt tokens to compute, per worker:")
+    for name, sp in splits.items():
+        shares = ", ".join(f"{w} {n}/{t}" for w, (n, t) in sp["per_worker"].items())
+        print(f"  {name}: {shares}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

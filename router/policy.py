@@ -19,8 +19,9 @@ the worker would compute (conditional disaggregation compares it with
 from __future__ import annotations
 
 import itertools
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pagedserve.router.config import LoadWeights, PrefixRouting
@@ -97,6 +98,13 @@ class RoutingPolicy(ABC):
     ) -> list[Scored]:
         """`candidates` ordered best first (role: "prefill" or "decode")."""
 
+    def assigned(self, worker: WorkerInfo, tokens: int) -> None:
+        """The router sends `worker` a request that will compute `tokens` prompt tokens
+        there (router/routing.py calls it once per prompt prefilled: on the prefill
+        worker picked, or on the decode worker that prefills locally). A policy that
+        keeps state about its decisions records it here. Default: nothing."""
+        return None
+
 
 def worker_load(w: WorkerInfo, weights: LoadWeights) -> tuple[float, dict[str, float | str]]:
     """A worker's load and its inputs.
@@ -135,6 +143,44 @@ def occupancy(w: WorkerInfo) -> float:
     if not s.num_total_blocks:
         return 0.0
     return (s.num_total_blocks - s.num_free_blocks + s.num_cached_blocks) / s.num_total_blocks
+
+
+class Backlog:
+    """Prompt tokens this router sent each worker and that it has likely not computed
+    yet: a virtual queue per worker, which each routing decision fills with the tokens
+    the chosen worker will compute (`add`), and which drains at `tokens_per_s` (the
+    configured prefill speed).
+
+    Why: the load term counts requests, but a request that computes a 300-token prompt
+    holds up whatever arrives behind it on that worker for a whole prefill step, and
+    one that computes 30 tokens (a cache hit) for almost nothing. With load alone, a
+    hot prefix's holder kept its requests while a cold prompt's prefill held its steps.
+
+    The router does not see when a worker's prefill ends (the policy is not told of a
+    first token), hence the drain at the configured rate: an estimate that is too slow
+    only spreads requests a little more eagerly (a pull instead of a short wait), one
+    that is too fast falls back to the load term alone. A worker on which this router
+    has no call open (`WorkerInfo.inflight` 0) has nothing of its queued: 0, whatever
+    the drain says (requests sent one after another never see the previous one's
+    tokens). The price: between a decision and the dispatcher opening its call (after
+    an ExportPrefix) the chosen worker's backlog reads 0.
+    """
+
+    def __init__(self, tokens_per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.tokens_per_s = tokens_per_s
+        self.clock = clock
+        self._queued: dict[str, tuple[float, float]] = {}  # worker id -> (tokens, as of when)
+
+    def tokens(self, w: WorkerInfo) -> float:
+        """Tokens still queued on `w` now."""
+        if not w.inflight:
+            return 0.0
+        queued, since = self._queued.get(w.worker_id, (0.0, 0.0))
+        return max(0.0, queued - (self.clock() - since) * self.tokens_per_s)
+
+    def add(self, w: WorkerInfo, tokens: float) -> None:
+        """`w` is sent `tokens` more to compute."""
+        self._queued[w.worker_id] = (self.tokens(w) + tokens, self.clock())
 
 
 class LeastLoadedPolicy(RoutingPolicy):
@@ -177,11 +223,18 @@ class PrefixAwarePolicy(RoutingPolicy):
                    is estimated cheaper than computing them
         reuse    = h if pull else own
         compute  = P - reuse * b                         # tokens it would compute
+        queued   = prompt tokens this router sent it that it has likely not computed
+                   yet (`Backlog`): the prefill work ahead of this request there
         evicted  = blocks of the chain it lacks (to pull or compute) beyond its
                    empty blocks: each evicts a cached block of another prefix
-        cost     = prefix_weight * (compute + transfer_s * prefill_tokens_per_s)
+        cost     = prefix_weight * (queued + compute + transfer_s * prefill_tokens_per_s)
                  + evict_weight * evicted * b            # expected recompute later
                  + load_weight * load                    # load as LeastLoadedPolicy's
+
+    The first term is the request's time to first token in tokens: the work queued
+    ahead of it, its own, and the pull. Without `queued`, a hot prefix's holder kept
+    its requests while a cold prompt's prefill held its steps (the load term counts
+    requests, not their tokens), and a pull to an idle worker was not planned.
 
     The eviction term is what makes a holder worth a little queueing when caches are
     full: sending a request elsewhere (even with a cheap pull) duplicates its prefix
@@ -202,12 +255,18 @@ class PrefixAwarePolicy(RoutingPolicy):
         config: PrefixRouting | None = None,
         weights: LoadWeights | None = None,
         estimator: TransferEstimator | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config or PrefixRouting()
         self.weights = weights or LoadWeights()
         self.estimator = estimator or TransferEstimator(self.config)
         if self.estimator.config != self.config:
             raise ValueError("the estimator must be built from the policy's PrefixRouting config")
+        self.backlog = Backlog(self.config.prefill_tokens_per_s, clock)
+
+    def assigned(self, worker: WorkerInfo, tokens: int) -> None:
+        """`worker`'s backlog grows by the tokens it was sent to compute."""
+        self.backlog.add(worker, tokens)
 
     def rank(
         self, role: str, request: RouteRequest, candidates: Sequence[WorkerInfo]
@@ -229,13 +288,15 @@ class PrefixAwarePolicy(RoutingPolicy):
         # other cached prefixes, some of which will be computed again.
         new_blocks = match.num_blocks - own if match else 0
         evicted = evictions(w, new_blocks)
+        queued = self.backlog.tokens(w)
         cost = (
-            self.config.prefix_weight * (compute + transfer_tokens)
+            self.config.prefix_weight * (queued + compute + transfer_tokens)
             + self.config.evict_weight * evicted * bs
             + self.config.load_weight * load
         )
         inputs.update(
             own_blocks=float(own),
+            queued_tokens=round(queued, 1),
             compute_tokens=float(compute),
             evicts_blocks=float(evicted),
             load=round(load, 4),

@@ -48,6 +48,11 @@ def default_policy(config: RouterConfig) -> RoutingPolicy:
     return LeastLoadedPolicy(config.load_weights)
 
 
+def computes(choice: Scored, prompt_len: int) -> int:
+    """Prompt tokens `choice` would compute (a policy that does not say: all of them)."""
+    return prompt_len if choice.compute_tokens is None else choice.compute_tokens
+
+
 @dataclass(eq=False)
 class Routing:
     """The policy applied to the live workers, with the prefix index's match.
@@ -107,8 +112,13 @@ class Routing:
         return await self.route_request_async(r, hashes)
 
     def pick(self, role: str, rr: RouteRequest, exclude: set[str]) -> Scored | None:
-        """The policy's best live worker for `role`, minus `exclude`; logs the inputs."""
+        """The policy's best live worker for `role`, minus `exclude`; logs the inputs.
+        A prefill worker picked computes the prompt (less its hits): the policy is told
+        (`RoutingPolicy.assigned`); a decode worker, only once it prefills locally
+        (`disaggregate`), since after a Prefill it computes nothing."""
         ranked = self.policy.rank(role, rr, self.registry.candidates(role, exclude))
+        if ranked and role == "prefill":
+            self.policy.assigned(ranked[0].worker, computes(ranked[0], len(rr.prompt_token_ids)))
         if logger.isEnabledFor(logging.DEBUG):
             m = rr.prefix
             logger.debug(
@@ -139,9 +149,10 @@ class Routing:
         the prefix it holds or will pull, as the policy scored it) is shorter than
         `disagg_min_prompt_tokens`, or when no prefill worker is live.
         """
-        uncached = r.prompt_len if decode.compute_tokens is None else decode.compute_tokens
+        uncached = computes(decode, r.prompt_len)
         if uncached >= self.config.disagg_min_prompt_tokens:
             return True
+        self.policy.assigned(decode.worker, uncached)
         logger.debug(
             "route %s: %d of %d prompt tokens to compute on %s < disagg_min_prompt_tokens %d: "
             "local prefill",

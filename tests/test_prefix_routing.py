@@ -11,8 +11,10 @@ Prompts are seeded random ids (`prompt(seed, n)`), so no two tests share a block
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -29,9 +31,11 @@ from pagedserve.common.runtime.prefix_index.worker_registry import (
 from pagedserve.common.runtime.worker import WorkerRuntime
 from pagedserve.router.config import PrefixRouting
 from pagedserve.router.cost import TransferEstimator
+from pagedserve.router.frontend import ResolvedRequest
 from pagedserve.router.policy import PrefixAwarePolicy, PrefixMatch, RoundRobinPolicy, RouteRequest
 from pagedserve.router.prefix import PrefixLookup
 from pagedserve.router.registry import WorkerRegistry
+from pagedserve.router.routing import Routing
 from pagedserve.router.server import Router, RouterHandle, start_router_in_thread
 from pagedserve.v1 import generation_pb2 as gen_pb
 from pagedserve.v1 import kvtransfer_pb2, worker_pb2, worker_pb2_grpc
@@ -231,6 +235,30 @@ def test_requests_sharing_a_system_prompt_land_where_the_prefix_is(cluster, llm)
         assert counted(c0, c1, "prefix_exports") == 0
         wait_idle_view(cluster.router)
     cluster.wait_quiescent()
+
+
+def test_the_benchmark_switches_the_policy_the_router_routes_with(embedded_cluster):
+    """benchmarks/prefix_routing.py compares policies on one router: each phase must
+    route with its own (setting `Router.policy` alone changed nothing after the split)."""
+    from benchmarks.prefix_routing import set_policy
+
+    router = embedded_cluster.router
+    default = router.call(lambda r: r.routing.policy)
+    baseline = RoundRobinPolicy()
+    try:
+        set_policy(router, baseline)
+        assert router.call(lambda r: r.routing.policy) is baseline
+        ids = prompt(151, 40)
+        got = router.call(
+            lambda r: [r.pick("decode", r.route_request(resolved(ids)), set()) for _ in "ab"]
+        )
+        assert [s.inputs for s in got] == [{"turn": 0.0}, {"turn": 1.0}]  # round-robin's own
+    finally:
+        set_policy(router, default)
+
+
+def resolved(ids: list[int]) -> ResolvedRequest:
+    return ResolvedRequest("bench", ids, None, None)  # type: ignore[arg-type]
 
 
 def test_second_chat_turn_lands_on_the_decode_worker_holding_the_first(cluster, llm):
@@ -584,3 +612,95 @@ def test_a_full_cache_makes_duplicating_a_prefix_cost_its_evictions():
     # o computes 276 tokens and evicts 16 blocks (0.5 * 256 = 128); h computes 20, load 64.
     assert scores == {"h": 20 + 64, "o": 276 + 128}
     assert policy.rank("decode", rr, [roomy])[0].inputs["evicts_blocks"] == 0.0
+
+
+def test_a_hot_prefix_moves_by_a_pull_while_its_holder_prefills_a_cold_prompt():
+    """Issue 13: the holder's queued prefill tokens count as the wait they cause."""
+    reg = WorkerRegistry()
+    full = dict(num_total_blocks=64, num_free_blocks=64, num_cached_blocks=64)
+    holder = reg.heartbeat(wstats("h", **full))
+    other = reg.heartbeat(wstats("o", **full))
+    config = PrefixRouting(
+        load_weight=64.0,
+        evict_weight=0.5,
+        prefill_tokens_per_s=1000.0,
+        transfer_bytes_per_s=1e9,
+        transfer_overhead_s=0.005,
+    )
+    now = [0.0]
+    policy = PrefixAwarePolicy(
+        config, estimator=TransferEstimator(config, 1024), clock=lambda: now[0]
+    )
+    hot = PrefixMatch(BLOCK, 16, {"h": 16}, [(holder, 16)])
+    warm = RouteRequest("warm", list(range(16 * BLOCK + 20)), None, hot)
+    pull_cost = 20 + (0.005 + 256 * 1024 / 1e9) * 1000 + 0.5 * 256  # + 16 evicted blocks
+
+    def ranked(rr):
+        return [
+            (s.worker.worker_id, s.compute_tokens, s.pull and s.pull.holder.worker_id, s.score)
+            for s in policy.rank("decode", rr, [holder, other])
+        ]
+
+    # Idle holder: it keeps the warm request (a pull would evict 16 blocks on o).
+    assert ranked(warm) == [("h", 20, None, 20.0), ("o", 20, "h", pytest.approx(pull_cost))]
+    # A cold 300-token prompt: nobody holds it; a tie on cost and occupancy, to h.
+    cold = RouteRequest("cold", list(range(1000, 1300)), None, PrefixMatch(BLOCK, 18, {}, []))
+    choice = policy.rank("decode", cold, [holder, other])[0]
+    assert (choice.worker, choice.compute_tokens) == (holder, 300)
+    policy.assigned(holder, 300)
+    holder.inflight = 1  # the dispatcher's call to h is open
+    # Its 300 tokens are queued ahead of anything h gets now: the warm request pulls to o.
+    assert ranked(warm) == [("o", 20, "h", pytest.approx(pull_cost)), ("h", 20, None, 384.0)]
+    now[0] = 0.2  # 200 of the 300 tokens computed at 1000 tokens/s: still worth the pull
+    assert ranked(warm)[0][:3] == ("o", 20, "h")
+    now[0] = 0.3  # drained: h has only its one request in flight, it keeps the hot prefix
+    assert ranked(warm) == [("h", 20, None, 84.0), ("o", 20, "h", pytest.approx(pull_cost))]
+    # Queued tokens add up over decisions and drain from the last one.
+    policy.assigned(holder, 300)
+    now[0] = 0.35
+    policy.assigned(holder, 20)
+    assert policy.backlog.tokens(holder) == pytest.approx(250 + 20)
+    assert policy.backlog.tokens(other) == 0.0
+    # No call of this router open on h any more: nothing of ours is queued there.
+    holder.inflight = 0
+    assert policy.backlog.tokens(holder) == 0.0
+    assert ranked(warm)[0] == ("h", 20, None, 20.0)
+
+
+def test_routing_tells_the_policy_which_worker_computes_a_prompt():
+    reg = WorkerRegistry()
+    a, b = (reg.heartbeat(wstats(w, model_name="m@1")) for w in ("a", "b"))
+    p = reg.heartbeat(wstats("p", pool=worker_pb2.WORKER_POOL_PREFILL, model_name="m@1"))
+    config = dataclasses.replace(ROUTER, disagg_min_prompt_tokens=64)
+    now = [0.0]
+    policy = PrefixAwarePolicy(config.prefix, clock=lambda: now[0])
+    routing = Routing(
+        config, policy, reg, PrefixLookup(config, reg), collections.Counter(), ThreadPoolExecutor(1)
+    )
+
+    def request(n: int) -> tuple[ResolvedRequest, RouteRequest]:
+        ids = list(range(n))
+        match = PrefixMatch(BLOCK, (n - 1) // BLOCK, {}, [])
+        return ResolvedRequest("r", ids, None, None), RouteRequest("r", ids, None, match)
+
+    def queued() -> dict[str, float]:
+        return {w.worker_id: policy.backlog.tokens(w) for w in (a, b, p)}
+
+    short, rr = request(40)  # under disagg_min_prompt_tokens: prefilled where it decodes
+    choice = routing.pick("decode", rr, set())
+    assert choice.worker is a and queued() == {"a": 0.0, "b": 0.0, "p": 0.0}  # only ranked
+    assert routing.disaggregate(short, choice) is False
+    a.inflight = 1  # the dispatcher's Decode call (dispatch.py)
+    assert queued() == {"a": 40.0, "b": 0.0, "p": 0.0}
+    # The next one goes to b (a has 40 tokens queued), and b computes it.
+    choice = routing.pick("decode", rr, set())
+    assert choice.worker is b and routing.disaggregate(short, choice) is False
+    b.inflight = 1
+    assert queued() == {"a": 40.0, "b": 40.0, "p": 0.0}
+    # A long prompt is prefilled on p: p computes it, the decode worker only imports it.
+    long, rr = request(100)
+    assert routing.disaggregate(long, routing.pick("decode", rr, set())) is True
+    assert routing.pick("prefill", rr, set()).worker is p
+    p.inflight = 1
+    routing.pick("decode", rr, set())  # ranked again after the Prefill
+    assert queued() == {"a": 40.0, "b": 40.0, "p": 100.0}

@@ -463,3 +463,18 @@ def test_request_id_is_refused_while_an_aborted_export_still_copies():
     assert pre.handoff.export_end("A") == 1
     pre.check_integrity()
     assert pre.block_manager.usage() == 0.0
+
+
+def test_engine_seed_makes_unseeded_sampling_repeatable():
+    """EngineConfig.seed (`--seed`) seeds what rows without a request seed draw from."""
+    prompt = list(range(5, 30))
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+
+    def sampled(seed: int) -> list[int]:
+        llm = make_llm(dtype="float32", num_blocks=64, max_model_len=256, seed=seed)
+        torch.rand(3)  # whatever ran in the process before does not matter
+        llm = make_llm(dtype="float32", num_blocks=64, max_model_len=256, seed=seed)
+        return llm.generate([prompt], params)[0].completions[0].token_ids
+
+    assert sampled(7) == sampled(7)
+    assert sampled(7) != sampled(8)

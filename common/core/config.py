@@ -101,6 +101,9 @@ class EngineConfig:
     max_n: int = 16  # largest `n` (parallel samples) a request may ask for
     max_logprobs: int = 20  # most top logprobs a request may ask for per token
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    # Seeds the global RNG that sampled requests without their own `seed` draw from
+    # (vLLM's --seed); None leaves it unseeded. A request's `seed` always wins.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):

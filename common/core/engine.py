@@ -113,6 +113,11 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if config.seed is not None:
+            # As `vllm serve --seed`: the process's global torch RNG, which every
+            # sampled row without a request `seed` draws from. Process-wide: engines in
+            # one process share it (a worker process has one engine).
+            torch.manual_seed(config.seed)
         self.dtype_name = resolve_dtype(config.dtype, config.device)
         dtype = _DTYPES[self.dtype_name]
         self.loaded = loaded or load_model(

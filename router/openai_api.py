@@ -64,6 +64,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from pagedserve.common.api.sampling_params import InvalidRequestError
+from pagedserve.router.auth import AuthError
 from pagedserve.router.openai_protocol import (
     FINISH_REASONS,
     ChatCompletionRequest,
@@ -116,6 +117,12 @@ class GenerationAborted(Exception):
     def to_openai(self) -> OpenAIError:
         status, type_, code = _HTTP_OF.get(self.code, (500, "internal_error", None))
         return OpenAIError(status, self.details, type_, code=code)
+
+
+def _metadata(request: Request) -> tuple[Metadatum, ...]:
+    """The HTTP Authorization header as gRPC's `authorization` metadata."""
+    auth = request.headers.get("authorization")
+    return (Metadatum("authorization", auth),) if auth is not None else ()
 
 
 class HttpCallContext:
@@ -491,6 +498,7 @@ class OpenAIAPI:
     # -- endpoints ----------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
+        self._authenticate(request)
         body = await self._parse(request, CompletionRequest)
         self._check_model(body.model)
         reqs = completion_requests(body)
@@ -500,6 +508,7 @@ class OpenAIAPI:
         return await self._respond(request, reqs, fmt, body.stream, body.include_usage)
 
     async def chat_completions(self, request: Request) -> Response:
+        self._authenticate(request)  # before the chat template runs for max_tokens
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
         req = chat_request(body)
@@ -511,6 +520,7 @@ class OpenAIAPI:
         return await self._respond(request, [req], fmt, body.stream, body.include_usage)
 
     async def models(self, request: Request) -> Response:
+        self._authenticate(request)  # as gRPC's GetModelInfo (and vLLM's /v1/*)
         card = {
             "id": self.model_name,
             "object": "model",
@@ -582,9 +592,19 @@ class OpenAIAPI:
             raise OpenAIError(400, str(e)) from None
         return max(1, self.frontend.max_model_len - len(ids))
 
+    def _authenticate(self, request: Request) -> None:
+        """The API key check of the gRPC API (router/auth.py), first thing on every /v1
+        route: 401 before the body is parsed. The Generation handler checks it again for
+        the calls it runs (one code path for both APIs); /health and /metrics stay open,
+        as vLLM's do."""
+        try:
+            self.router.dispatcher.auth.authenticate(_metadata(request))
+        except AuthError as e:
+            self.router.counters["unauthenticated"] += 1
+            raise OpenAIError(401, str(e), "authentication_error") from None
+
     def _start(self, request: Request, reqs: list[gen_pb.GenerateRequest]) -> Generations:
-        auth = request.headers.get("authorization")
-        metadata = (Metadatum("authorization", auth),) if auth is not None else ()
+        metadata = _metadata(request)
         client = request.client
         peer = f"http:{client.host}:{client.port}" if client else "http:unknown"
         return Generations(self.handler, reqs, metadata, peer)

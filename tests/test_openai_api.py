@@ -458,8 +458,15 @@ def test_api_keys_apply_to_http_as_to_grpc():
         head, _, payload = raw_post(address, "/v1/completions", body).partition(b"\r\n\r\n")
         assert head.split(b"\r\n")[0].endswith(b"401 Unauthorized")
         assert json.loads(payload)["error"]["message"].startswith("missing API key")
+        with (
+            openai.OpenAI(base_url=f"http://{address}/v1", api_key="sk-wrong", max_retries=0) as c,
+            pytest.raises(openai.AuthenticationError),
+        ):
+            c.models.list()  # /v1/models needs the key too (as gRPC's GetModelInfo)
         assert keyed.router.call(lambda r: r.counters["requests"]) == 0  # nothing ran
+        assert keyed.router.call(lambda r: r.counters["unauthenticated"]) == 3
         with openai.OpenAI(base_url=f"http://{address}/v1", api_key="sk-right") as c:
+            assert [m.id for m in c.models.list()] == [name]
             got = c.completions.create(model=name, prompt="hello", max_tokens=4, temperature=0)
         with Client(keyed.address, api_key="sk-right") as g:
             want = "".join(r.text for r in g.generate(prompt="hello", max_tokens=4, temperature=0))

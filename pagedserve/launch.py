@@ -214,7 +214,8 @@ class Cluster:
                 f"router metrics on http://{self.router.router.metrics.server.address}/metrics"
             )
         if self.router.router.http is not None:  # issue 12: http
-            progress(f"OpenAI-compatible API on http://{self.router.router.http.address}/v1")
+            http = self.router.router.http
+            progress(f"OpenAI-compatible API on {http.scheme}://{http.address}/v1")
         progress(
             f"starting {spec.num_prefill} prefill + {spec.num_decode} decode worker(s) "
             "(loading the model) ..."

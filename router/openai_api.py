@@ -77,6 +77,7 @@ from pagedserve.router.openai_protocol import (
 from pagedserve.v1 import generation_pb2 as gen_pb
 
 if TYPE_CHECKING:
+    from pagedserve.common.runtime.tls import TLSFiles
     from pagedserve.router.server import Router
 
 logger = logging.getLogger(__name__)
@@ -713,10 +714,14 @@ class OpenAIServer:
     """uvicorn serving `create_app(router)` on the router's loop (bind, start, stop;
     Router.start binds before anything else serves, so a taken port fails early)."""
 
-    def __init__(self, router: Router, host: str, port: int) -> None:
+    def __init__(self, router: Router, host: str, port: int, tls: TLSFiles | None = None) -> None:
         self.router = router
         self.host = host
         self.port = port
+        # The public port's certificate (RouterConfig.public_tls): HTTPS with the same
+        # files as the gRPC port, so nothing public is served in plaintext beside TLS.
+        self.tls = tls
+        self.scheme = "https" if tls is not None else "http"
         self.address = ""
         self._socket: socket.socket | None = None
         self._server: _Uvicorn | None = None
@@ -738,6 +743,8 @@ class OpenAIServer:
             log_config=None,  # leave the process's logging alone
             access_log=False,
             timeout_graceful_shutdown=2,
+            ssl_certfile=self.tls.certfile if self.tls else None,
+            ssl_keyfile=self.tls.keyfile if self.tls else None,
         )
         server = _Uvicorn(config)
         self._server = server
@@ -750,7 +757,7 @@ class OpenAIServer:
             await asyncio.sleep(0.01)
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.address = f"{host}:{port}"
-        logger.info("OpenAI-compatible API on http://%s/v1", self.address)
+        logger.info("OpenAI-compatible API on %s://%s/v1", self.scheme, self.address)
         return self.address
 
     async def stop(self) -> None:

@@ -205,7 +205,8 @@ class Router:
         if self.config.http_port is not None:
             from pagedserve.router.openai_api import OpenAIServer
 
-            self.http = OpenAIServer(self, self.config.host, self.config.http_port)
+            config = self.config
+            self.http = OpenAIServer(self, config.host, config.http_port, config.public_tls)
             self.http.bind()
         self.server = await self._start_public()
         try:

@@ -478,7 +478,12 @@ def test_rendered_overlay_is_coherent(overlay, rendered, k8s):
     )
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     internal_port = int(flags["--internal-port"])
-    assert ports == {"grpc": args.port, "internal": internal_port, "metrics": args.metrics_port}
+    assert ports == {
+        "grpc": args.port,
+        "http": args.http_port,  # the OpenAI-compatible API
+        "internal": internal_port,
+        "metrics": args.metrics_port,
+    }
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(args.metrics_port)
     assert (args.redis_url is not None) == r.has_redis
     if overlay in ("overlays/gpu", "overlays/production"):
@@ -675,14 +680,15 @@ def test_network_policies_cover_every_pod_and_admit_only_the_agreed_paths(overla
     if r.has_redis:
         routers.append(pod("Deployment/pagedserve-router-replica"))
     grpc_port = 40000  # a worker's gRPC port: any free (ephemeral) port
-    allowed = [(src, router, 50051) for router in routers for src in (client, ingress)]
+    public = (50051, 8000)  # gRPC, and the OpenAI-compatible API over HTTPS
+    allowed = [(s, r, p) for r in routers for s in (client, ingress) for p in public]
     allowed += [(w, launcher, 50052) for w in (prefill, decode)]  # registry, prefix index
     allowed += [(router, w, grpc_port) for router in routers for w in (prefill, decode)]
     allowed += [(prefill, decode, grpc_port), (decode, prefill, grpc_port)]  # KV pulls
     allowed += [(launcher, head, 10001), (head, decode, 6380), (decode, head, 6379)]  # Ray
     allowed += [(prometheus, launcher, 9400), (prometheus, prefill, 9401)]
     allowed += [(p, dns, 53) for p in (launcher, head, prefill, decode)]
-    denied = [(x, router, 50051) for router in routers for x in (stranger, foreign, head)]
+    denied = [(x, r, p) for r in routers for x in (stranger, foreign, head) for p in public]
     denied += [(x, launcher, 50052) for x in (stranger, client, head, *routers[1:])]
     denied += [(x, decode, grpc_port) for x in (stranger, client, ingress, head, prometheus)]
     denied += [(stranger, head, 6379), (client, head, 10001), (stranger, decode, 6380)]

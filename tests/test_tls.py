@@ -252,7 +252,11 @@ def secure(certs):
     KV between them over gRPC and publishing to the router's index."""
     engine = tiny_engine_config()
     config = dataclasses.replace(
-        ROUTER_CONFIG, model=engine.model, public_tls=certs.public, internal_tls=certs.internal
+        ROUTER_CONFIG,
+        model=engine.model,
+        public_tls=certs.public,
+        internal_tls=certs.internal,
+        http_port=0,  # the OpenAI-compatible API: HTTPS with the public certificate
     )
     cluster = Cluster(start_router_in_thread(config), engine)
     try:
@@ -400,3 +404,40 @@ def test_a_worker_on_all_interfaces_advertises_a_name_its_certificate_can_carry(
     config = WorkerConfig(worker_id="d0", pool="decode", host="0.0.0.0", advertise_host="auto")
     secured = dataclasses.replace(config, internal_tls=certs.internal)
     assert auto_advertise_host(secured) == socket.getfqdn()
+
+
+def test_the_http_api_is_https_with_the_public_certificate(secure, certs):
+    """With TLS on the public port the OpenAI-compatible API is HTTPS too (same files):
+    nothing public answers in plaintext beside it."""
+    import ssl
+
+    import httpx2 as httpx  # the openai SDK's HTTP client
+    import openai
+
+    http = secure.router.router.http
+    assert http.scheme == "https"
+    name = secure.router.router.frontend.model_name
+    trust = ssl.create_default_context(cafile=certs.public_ca)
+    with (
+        httpx.Client(verify=trust) as hc,
+        openai.OpenAI(
+            base_url=f"https://{http.address}/v1", api_key="x", http_client=hc, max_retries=0
+        ) as c,
+    ):
+        got = c.completions.create(model=name, prompt="hello", max_tokens=3, temperature=0)
+        assert got.usage.completion_tokens == 3
+    with (
+        openai.OpenAI(base_url=f"http://{http.address}/v1", api_key="x", max_retries=0) as c,
+        pytest.raises(openai.APIConnectionError),
+    ):
+        c.models.list()  # plaintext HTTP to the TLS port
+    stranger = ssl.create_default_context(cafile=certs.stranger_ca)
+    with (
+        httpx.Client(verify=stranger) as hc,
+        openai.OpenAI(
+            base_url=f"https://{http.address}/v1", api_key="x", http_client=hc, max_retries=0
+        ) as c,
+        pytest.raises(openai.APIConnectionError),
+    ):
+        c.models.list()  # a client that trusts another CA
+    secure.wait_quiescent()

@@ -81,6 +81,14 @@ class Tenant:
     salt: str | None
     max_inflight: int | None = None  # requests running or queued at once; None = no limit
 
+    def request_id(self, client_rid: str) -> str:
+        """The id the router and the workers know a request by: unique per tenant, so
+        one tenant's ids never clash with (or reveal) another's in-flight ids. The open
+        tenant's ids are the client's own; a keyed tenant's are prefixed with its name
+        (names are [A-Za-z0-9._-], so ':' cannot be forged into another tenant's).
+        Responses carry the client's id back (router/dispatch.py)."""
+        return client_rid if self.salt is None else f"{self.name}:{client_rid}"
+
     def cache_salt(self, client_salt: str | None) -> str | None:
         """The salt a request's blocks are hashed under: the tenant's combined with the
         client's (`client_salt`, "" or None = none), never the client's alone.

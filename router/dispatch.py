@@ -164,9 +164,10 @@ class Dispatcher:
                     "string fields (prompt, messages, request_id, cache_salt, stop) "
                     "must be valid UTF-8"
                 )
-            rid, params = self.frontend.precheck(request)
+            client_rid, params = self.frontend.precheck(request)
+            rid = tenant.request_id(client_rid)
             if rid in self.active_requests:
-                raise InvalidRequestError(f"request_id {rid!r} is already in flight")
+                raise InvalidRequestError(f"request_id {client_rid!r} is already in flight")
         except InvalidRequestError as e:
             self.counters["invalid"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -191,6 +192,8 @@ class Dispatcher:
             serving = self._serve(resolved, context, arrived)
             async with contextlib.aclosing(serving) as responses:
                 async for response in responses:
+                    if rid != client_rid:  # the workers know the tenant's id
+                        response.request_id = client_rid
                     yield response
         except Abort as e:
             await context.abort(e.code, e.message)

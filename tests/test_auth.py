@@ -376,6 +376,31 @@ def test_a_tenant_at_its_limit_is_refused_and_gets_its_slot_back(keyed):
     router_is_clean(keyed)
 
 
+def test_request_ids_are_per_tenant(keyed):
+    """Two tenants may use the same request_id at once (neither learns the other's ids
+    are in flight); each gets its own id back; a tenant reusing its own in-flight id is
+    refused as before."""
+    long = dict(max_tokens=100, **GREEDY)
+    with client_of(keyed, "alpha") as a, client_of(keyed, "beta") as b:
+        stream = a.generate(token_ids=ids(700, 8), request_id="shared-id", **long)
+        first = next(stream)
+        assert first.request_id == "shared-id"
+        got = list(
+            b.generate(token_ids=ids(800, 8), request_id="shared-id", max_tokens=3, **GREEDY)
+        )
+        assert {r.request_id for r in got} == {"shared-id"}
+        assert sum(len(r.token_ids) for r in got) == 3
+        with pytest.raises(grpc.RpcError) as err:
+            a.collect(token_ids=ids(900, 8), request_id="shared-id", max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "request_id 'shared-id' is already in flight" in err.value.details()
+        assert "alpha" not in err.value.details()  # the client's own id, as it sent it
+        rest = [first, *stream]
+        assert {r.request_id for r in rest} == {"shared-id"}
+        assert sum(len(r.token_ids) for r in rest) == 100
+    router_is_clean(keyed)
+
+
 def test_cli_sends_the_key_and_explains_a_refusal(keyed, monkeypatch, capsys):
     monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
     argv = ["generate", "hello", "--address", keyed.address, "--max-tokens", "2"]

@@ -113,6 +113,10 @@ class ClusterSpec:
     # each has a node of its own (pool_resources), else the k-th worker (prefill first)
     # on P + k, so that workers sharing a machine never collide.
     worker_metrics_port: int | None = None
+    # Workers' gRPC port (Prefill, Decode, KV transfer): None = any free port; P: as
+    # worker_metrics_port (P with pool_resources, else P + k), so that firewalls and
+    # NetworkPolicies can name one port.
+    worker_port: int | None = None
     # "vllm": router and workers also export vllm:* series
     metrics_compat: Literal["vllm"] | None = None
     # Place each worker on a node that offers one unit of the custom resource
@@ -147,7 +151,7 @@ class Cluster:
         self.prefill: list[Any] = []
         self.decode: list[Any] = []
         self._owns_ray = False
-        self._metrics_offsets: dict[str, int] = {}  # worker id -> its metrics port offset
+        self._port_offsets: dict[str, int] = {}  # worker id -> its ports' offset
         self._pools_lock = threading.Lock()  # scale() and stop() change the pools
 
     # -- bring-up -----------------------------------------------------------------------
@@ -298,7 +302,8 @@ class Cluster:
             # else the router's embedded index, served on the router's internal listener.
             redis_url=spec.redis_url,
             index_address=None if spec.redis_url else router_address,
-            metrics_port=self._worker_metrics_port(pool, index),
+            port=self._worker_port(spec.worker_port, pool, index) or 0,
+            metrics_port=self._worker_port(spec.worker_metrics_port, pool, index),
             metrics_compat=spec.metrics_compat,
             **{**spec.worker_options, "internal_tls": spec.internal_tls},  # (as above)
         )
@@ -352,20 +357,21 @@ class Cluster:
         workers dial it; never the public port, which does not serve them."""
         return advertised_address(self.router.internal_address, self.spec.router_advertise_host)
 
-    def _worker_metrics_port(self, pool: str, index: int) -> int | None:
-        """See ClusterSpec.worker_metrics_port. Workers added by `scale` take the next
-        offset no running worker holds (a freed offset is reused)."""
-        base = self.spec.worker_metrics_port
+    def _worker_port(self, base: int | None, pool: str, index: int) -> int | None:
+        """The port of the `index`-th worker of `pool` from a base port (ClusterSpec's
+        worker_port, worker_metrics_port): the base itself with pool_resources, else
+        base + the worker's offset. Workers added by `scale` take the next offset no
+        running worker holds (a freed offset is reused)."""
         if not base or self.spec.pool_resources:
             return base
         name = f"{pool}-{index}"
-        if name not in self._metrics_offsets:
+        if name not in self._port_offsets:
             k = index if pool == "prefill" else self.spec.num_prefill + index
-            taken = set(self._metrics_offsets.values())
+            taken = set(self._port_offsets.values())
             if k in taken:
                 k = next(i for i in range(len(taken) + 1) if i not in taken)
-            self._metrics_offsets[name] = k
-        return base + self._metrics_offsets[name]
+            self._port_offsets[name] = k
+        return base + self._port_offsets[name]
 
     def wait_registered(
         self, timeout_s: float = 30.0, interrupted: Callable[[], bool] = lambda: False
@@ -429,7 +435,7 @@ class Cluster:
                     logger.warning("worker %s did not drain cleanly: %s", wid, e)
                     emptied = False
                 ray.kill(actor, no_restart=True)
-                self._metrics_offsets.pop(wid, None)
+                self._port_offsets.pop(wid, None)
                 result.stopped.append(wid)
                 if not emptied:
                     result.cut.append(wid)

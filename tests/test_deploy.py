@@ -400,6 +400,12 @@ def expand(args: list[str], env: dict[str, str]) -> list[str]:
     return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, a) for a in args]
 
 
+def launcher_args(r: Rendered) -> list[str]:
+    """The `pagedserve up` arguments of the launcher's container, expanded."""
+    (c,) = r.get("Deployment", "pagedserve-router")["spec"]["template"]["spec"]["containers"]
+    return expand(c["args"], container_env(r, c))
+
+
 def container_env(r: Rendered, container: dict) -> dict[str, str]:
     """The container's environment as the kubelet builds it: envFrom first, then env in
     order, each value's $(VAR) expanded from what came before; a fieldRef (the pod's
@@ -679,7 +685,8 @@ def test_network_policies_cover_every_pod_and_admit_only_the_agreed_paths(overla
     routers = [launcher]
     if r.has_redis:
         routers.append(pod("Deployment/pagedserve-router-replica"))
-    grpc_port = 40000  # a worker's gRPC port: any free (ephemeral) port
+    grpc_port = int(flag_values(launcher_args(r))["--worker-port"])  # every worker's
+    assert grpc_port == 50060
     public = (50051, 8000)  # gRPC, and the OpenAI-compatible API over HTTPS
     allowed = [(s, r, p) for r in routers for s in (client, ingress) for p in public]
     allowed += [(w, launcher, 50052) for w in (prefill, decode)]  # registry, prefix index

@@ -541,18 +541,23 @@ def test_launcher_metrics_ports_and_placement():
         + ["--worker-metrics-port", "9401", "--advertise-host", "10.0.0.7"]
     )
     assert (args.metrics_port, args.worker_metrics_port, args.pool_resources) == (9400, 9401, False)
-    spec = launch.ClusterSpec(num_prefill=2, num_decode=2, worker_metrics_port=9401)
-    c = launch.Cluster(spec)
-    # Workers may share a machine: prefill-0, prefill-1, decode-0, decode-1 on 9401..9404.
-    ports = [c._worker_metrics_port(p, i) for p in ("prefill", "decode") for i in (0, 1)]
-    assert ports == [9401, 9402, 9403, 9404]
-    # One worker per node (custom resources): the same port everywhere.
-    one_per_node = launch.Cluster(dataclasses.replace(spec, pool_resources=True))
-    assert one_per_node._worker_metrics_port("decode", 1) == 9401
-    assert launch.Cluster(launch.ClusterSpec())._worker_metrics_port("decode", 0) is None
-    assert (
-        launch.Cluster(launch.ClusterSpec(worker_metrics_port=0))._worker_metrics_port("decode", 1)
-        == 0
+    spec = launch.ClusterSpec(
+        num_prefill=2, num_decode=2, worker_metrics_port=9401, worker_port=50060
     )
+
+    def ports(cluster, pool: str, index: int) -> tuple[int, int | None]:
+        config = cluster.worker_config(pool, index, "127.0.0.1:1")
+        return config.port, config.metrics_port
+
+    c = launch.Cluster(spec)
+    # Workers may share a machine: prefill-0, prefill-1, decode-0, decode-1 on 9401..9404
+    # (metrics) and 50060..50063 (gRPC).
+    got = [ports(c, p, i) for p in ("prefill", "decode") for i in (0, 1)]
+    assert got == [(50060 + k, 9401 + k) for k in range(4)]
+    # One worker per node (custom resources): the same ports everywhere.
+    one_per_node = launch.Cluster(dataclasses.replace(spec, pool_resources=True))
+    assert ports(one_per_node, "decode", 1) == (50060, 9401)
+    assert ports(launch.Cluster(launch.ClusterSpec()), "decode", 0) == (0, None)  # any free; off
+    assert ports(launch.Cluster(launch.ClusterSpec(worker_metrics_port=0)), "decode", 1) == (0, 0)
     assert launch.advertised_address("0.0.0.0:50051", None) == "0.0.0.0:50051"
     assert launch.advertised_address("0.0.0.0:50051", "10.0.0.7") == "10.0.0.7:50051"

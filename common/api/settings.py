@@ -115,7 +115,7 @@ NOT_FLAGS: dict[str, str] = {
     "ClusterSpec.worker_options": "filled from the workers' own settings (WorkerConfig)",
     "WorkerConfig.worker_id": "the launcher names each worker (prefill-0, decode-0, ...)",
     "WorkerConfig.pool": "the launcher sets it per worker (--prefill / --decode)",
-    "WorkerConfig.port": "0: each worker takes a free port and advertises it",
+    "WorkerConfig.port": "the launcher sets it per worker from --worker-port (default: any free port)",
     "WorkerConfig.advertise_host": "derived from --listen-host (0.0.0.0: the node's IP)",
     "WorkerConfig.registry_address": "the launcher's router (--advertise-host, --port)",
     "WorkerConfig.index_address": "the launcher's router, unless --redis-url",

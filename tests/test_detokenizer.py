@@ -258,3 +258,16 @@ def test_default_model_tokenizer() -> None:
         if det.stopped:
             break
     assert (det.text, det.stop_reason) == (" Voilà, déjà vu — 日", "本語 👩")
+
+
+def test_min_tokens_defers_stop_strings(tokenizer) -> None:
+    """As vLLM: before `min_tokens` tokens no stop string is looked for (and nothing is
+    held back); after, only the text that arrives is matched."""
+    # "hello world" -> he | ll | o | " " | wor | ld
+    det, chunks = feed(tokenizer, "x", "hello world, hello world", stop=["hel"], min_tokens=3)
+    assert chunks[:3] == ["he", "ll", "o"]  # the first "hel" came before the 3rd token
+    assert det.stop_reason == "hel" and det.text == "hello world, "
+    det, chunks = feed(tokenizer, "x", "hello world", stop=["lo wor"], min_tokens=0)
+    assert det.text == "hel"  # unchanged without min_tokens
+    det, _ = feed(tokenizer, "x", "hello world", stop=["hel"], min_tokens=6)
+    assert det.stop_reason is None and det.text == "hello world"

@@ -33,8 +33,8 @@ Decisions:
   unlike `repetition_penalty`). Applied after the repetition penalty, before
   temperature.
 - `min_tokens`: EOS tokens (unless `ignore_eos`) and `stop_token_ids` are masked until
-  that many tokens were generated, as vLLM does; stop *strings* still end a sample
-  early (they are matched on text, after sampling). At most `max_tokens`.
+  that many tokens were generated, and stop *strings* are looked for only in the text
+  that comes after, as vLLM does. At most `max_tokens`.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ) -> None:
         if isinstance(stop, str):
             stop = [stop]
@@ -61,6 +62,11 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._stops = tuple(stop)
+        # As vLLM: no stop string is looked for before `min_tokens` tokens were
+        # generated; from then on, only in the text that arrives (text emitted before
+        # cannot be taken back, so a stop string that began before the boundary does
+        # not match).
+        self._min_tokens = min_tokens
         # Only the prompt's tail is kept: it is decoding context, never output.
         self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._prefix_offset = 0
@@ -126,6 +132,11 @@ class IncrementalDetokenizer:
     def _emit(self, new: str, *, final: bool) -> str:
         """Run `new` through the stop strings; return what the client may see now."""
         buf = self._held + new
+        if self.num_tokens < self._min_tokens:  # stop strings not looked for yet
+            if buf:
+                self._chunks.append(buf)
+            self._held = ""
+            return buf
         match = self._find_stop(buf)
         if match is not None:
             start, stop = match

@@ -258,7 +258,12 @@ class LLMEngine:
         )
 
     def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.stop)
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            req.prompt_token_ids,
+            req.params.stop,
+            min_tokens=req.params.min_tokens,
+        )
         seq = Sequence(
             seq_id=make_seq_id(req.request_id, index),
             request=req,

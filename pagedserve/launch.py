@@ -269,8 +269,7 @@ class Cluster:
             metrics_port=spec.router_metrics_port,
             metrics_compat=spec.metrics_compat,
             http_port=spec.router_http_port,
-            # The spec's planes win over router_options, where the settings schema puts
-            # None for these linked `TLSFiles | None` fields.
+            # The planes are linked settings (ClusterSpec's, shared with the workers).
             **{**linked, **spec.router_options, **self._router_planes()},
         )
 
@@ -305,7 +304,7 @@ class Cluster:
             port=self._worker_port(spec.worker_port, pool, index) or 0,
             metrics_port=self._worker_port(spec.worker_metrics_port, pool, index),
             metrics_compat=spec.metrics_compat,
-            **{**spec.worker_options, "internal_tls": spec.internal_tls},  # (as above)
+            **{**spec.worker_options, "internal_tls": spec.internal_tls},  # linked, as above
         )
 
     def _spawn(self, pool: str, index: int) -> Any:

@@ -474,3 +474,12 @@ def test_two_fields_on_one_flag_is_an_error():
     # Unless it is linked to the first root's field of that name (as ClusterSpec's
     # redis_url is to the router's and the workers').
     Schema("x", "", [Root("a", Server), Root("b", Other, partial=True)], version="9")
+
+
+def test_linked_optional_dataclass_fields_stay_unset_in_the_other_roots():
+    """ClusterSpec's `internal_tls` (an `X | None` with flags) is linked to the router's
+    and the workers' field of the same name: their partial roots must not carry a None
+    of their own for it (it would override the spec's value)."""
+    spec, _ = launch.parse_spec([])
+    for options in (spec.router_options, spec.worker_options):
+        assert not {"public_tls", "internal_tls"} & set(options)

@@ -378,11 +378,18 @@ class Schema:
         return value
 
     def _construct(self, root: Root, values: dict[tuple[str, ...], Any]) -> Any:
-        kwargs = _build_kwargs(root.cls, (), values, self.optional_groups())
+        kwargs = _build_kwargs(root.cls, (), values, self.optional_groups(root.name))
         return kwargs if root.partial else root.cls(**kwargs)
 
-    def optional_groups(self) -> set[tuple[str, ...]]:
-        return {s.optional_group for s in self.settings if s.optional_group is not None}
+    def optional_groups(self, root: str | None = None) -> set[tuple[str, ...]]:
+        """The `X | None` dataclass fields with flags (of `root` only, when given: paths
+        are relative to their root, and another root's linked field of the same name
+        must stay unset, not become None)."""
+        return {
+            s.optional_group
+            for s in self.settings
+            if s.optional_group is not None and root in (None, s.root)
+        }
 
     # -- for tests and docs ---------------------------------------------------------
 

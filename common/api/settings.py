@@ -133,7 +133,7 @@ UNIT_FLAGS: dict[str, tuple[str, int, str]] = {
 # dataclass's. The OpenAI-compatible HTTP API is on by default for `pagedserve up` and
 # `python -m pagedserve.router` (port 8000, as `vllm serve`), while a router built in
 # code (tests, embedding) binds no HTTP port unless asked: two of them in one process
-# would collide on a fixed port. `--no-http` (HTTP_OFF_FLAG) turns it off.
+# would collide on a fixed port. `--no-http` (OFF_FLAGS) turns it off.
 CLI_DEFAULTS: dict[str, Any] = {
     "RouterConfig.http_port": 8000,
     # The internal listener: workers started on their own and `pagedserve status` dial
@@ -141,7 +141,14 @@ CLI_DEFAULTS: dict[str, Any] = {
     "RouterConfig.internal_port": 50052,
     "ClusterSpec.router_http_port": 8000,
 }
-HTTP_OFF_FLAG = "--no-http"
+
+# "Class.field" -> (flag, help): a second flag that sets an `X | None` field to None
+# (off) whatever its own flag says, for fields whose command-line default is on.
+_HTTP_OFF = ("--no-http", "do not serve the OpenAI-compatible HTTP API (--http-port)")
+OFF_FLAGS: dict[str, tuple[str, str]] = {
+    "RouterConfig.http_port": _HTTP_OFF,
+    "ClusterSpec.router_http_port": _HTTP_OFF,
+}
 
 # "Class.field" -> an environment variable read when the flag is not given (as
 # `vllm serve --api-key` reads VLLM_API_KEY). Never shown as a default in --help.
@@ -275,7 +282,7 @@ class Schema:
                 text = f"{text} (env {env})"
             self.settings.append(
                 Setting(
-                    dest=flags[0].lstrip("-").replace("-", "_"),
+                    dest=_dest(flags[0]),
                     flags=flags,
                     root=root.name,
                     path=here,
@@ -305,13 +312,6 @@ class Schema:
         p.add_argument("--version", action="version", version=f"%(prog)s {self.version}")
         if self.extra is not None:
             self.extra(p)
-        if any(s.key in CLI_DEFAULTS and s.flags[0] == "--http-port" for s in self.settings):
-            p.add_argument(
-                HTTP_OFF_FLAG,
-                action="store_true",
-                default=False,
-                help="do not serve the OpenAI-compatible HTTP API (--http-port)",
-            )
         for s in self.settings:
             self._add(p, s)
         return p
@@ -328,6 +328,9 @@ class Schema:
         else:
             tp = s.type if s.optional_group is None else s.type | None
             p.add_argument(*s.flags, dest=s.dest, type=tp, default=s.default, help=s.help)
+        off = OFF_FLAGS.get(s.key)
+        if off is not None:
+            p.add_argument(off[0], action="store_true", default=False, help=off[1])
         unit = UNIT_FLAGS.get(s.key)
         if unit is not None:
             flag, _size, name = unit
@@ -367,10 +370,11 @@ class Schema:
         value = args[s.dest]
         unit = UNIT_FLAGS.get(s.key)
         if unit is not None:
-            given = args[unit[0].lstrip("-").replace("-", "_")]
+            given = args[_dest(unit[0])]
             if given is not None:
                 value = int(given * unit[1])
-        if s.flags[0] == "--http-port" and getattr(args, "no_http", False):
+        off = OFF_FLAGS.get(s.key)
+        if off is not None and args[_dest(off[0])]:
             value = None
         env = ENV_VARS.get(s.key)
         if env is not None and value == s.default and os.environ.get(env):
@@ -442,6 +446,11 @@ def field_comments(cls: type) -> dict[str, str]:
         parts = [*above, comments.get(number, "")]
         docs[m.group(1)] = " ".join(p for p in parts if p and not p.startswith("--"))
     return docs
+
+
+def _dest(flag: str) -> str:
+    """A flag's dest (and YAML key): `--kv-cache-gib` -> `kv_cache_gib`."""
+    return flag.lstrip("-").replace("-", "_")
 
 
 def _build_kwargs(

@@ -417,27 +417,22 @@ def test_the_http_api_is_https_with_the_public_certificate(secure, certs):
     http = secure.router.router.http
     assert http.scheme == "https"
     name = secure.router.router.frontend.model_name
-    trust = ssl.create_default_context(cafile=certs.public_ca)
-    with (
-        httpx.Client(verify=trust) as hc,
-        openai.OpenAI(
-            base_url=f"https://{http.address}/v1", api_key="x", http_client=hc, max_retries=0
-        ) as c,
-    ):
+
+    def sdk(scheme: str, ca: str | None = None) -> openai.OpenAI:
+        """The SDK on `scheme`, trusting `ca` (the system's roots when None)."""
+        trust = ssl.create_default_context(cafile=ca) if ca else True
+        return openai.OpenAI(
+            base_url=f"{scheme}://{http.address}/v1",
+            api_key="x",
+            http_client=httpx.Client(verify=trust),
+            max_retries=0,
+        )
+
+    with sdk("https", certs.public_ca) as c:
         got = c.completions.create(model=name, prompt="hello", max_tokens=3, temperature=0)
         assert got.usage.completion_tokens == 3
-    with (
-        openai.OpenAI(base_url=f"http://{http.address}/v1", api_key="x", max_retries=0) as c,
-        pytest.raises(openai.APIConnectionError),
-    ):
-        c.models.list()  # plaintext HTTP to the TLS port
-    stranger = ssl.create_default_context(cafile=certs.stranger_ca)
-    with (
-        httpx.Client(verify=stranger) as hc,
-        openai.OpenAI(
-            base_url=f"https://{http.address}/v1", api_key="x", http_client=hc, max_retries=0
-        ) as c,
-        pytest.raises(openai.APIConnectionError),
-    ):
-        c.models.list()  # a client that trusts another CA
+    # Plaintext HTTP to the TLS port, and a client that trusts another CA.
+    for c in (sdk("http"), sdk("https", certs.stranger_ca)):
+        with c, pytest.raises(openai.APIConnectionError):
+            c.models.list()
     secure.wait_quiescent()

@@ -305,7 +305,7 @@ def _labelled(fn: Callable, label: str) -> Callable:
 def _phase_labels():
     """Label the model's phases for the profiler by wrapping their functions for the
     duration (the engine's code is not changed for profiling)."""
-    from pagedserve.common import model as model_mod
+    from pagedserve.common.core import model as model_mod
     from pagedserve.common.core.attention import base, cpu_kernel, torch_backend
 
     patches = [

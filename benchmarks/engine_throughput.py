@@ -587,13 +587,13 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = [resolve_dtype(d, "cpu") for d in args.dtype]
     dtype = dtypes[0]
     reqs = load_workload(args.workload, args.limit)
-    # prepacking applies to bf16 only (model.can_prepack): other dtypes run once
+    # prepacking applies to bf16 and fp32 (model.can_prepack): other dtypes run once
     variants = [
         (d, k, pk)
         for d in dtypes
         for k in args.kernel
         for pk in args.prepack
-        if d == "bfloat16" or pk == args.prepack[0]
+        if d in ("bfloat16", "float32") or pk == args.prepack[0]
     ]
     runs: dict[tuple, list[dict]] = {v: [] for v in variants}
     for _ in range(args.repeat):  # alternating rounds: a shared machine's load hits all

@@ -87,8 +87,9 @@ def _mm(
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, in] @ w [in, out] (+ bias [out]); through `packed` (w prepacked by
-    `pack_weight`) when given."""
-    if packed is not None:
+    `pack_weight`) when given, except for one fp32 row: there MKL's GEMV was as
+    fast or faster (the 49152-wide LM head: 10.5 vs 4.6 GFLOP/s, see `can_prepack`)."""
+    if packed is not None and (x.shape[0] > 1 or x.dtype != torch.float32):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
     return x @ w if bias is None else torch.addmm(bias, x, w)
 
@@ -96,7 +97,7 @@ def _mm(
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether weights of `dtype` on `device` are prepacked for oneDNN (see `pack_weight`).
 
-    bf16 on the CPU only. Why: torch's bf16 `x @ w` on the CPU is a oneDNN
+    bf16 and fp32 on the CPU. Why bf16: torch's bf16 `x @ w` on the CPU is a oneDNN
     matmul that reorders the weight into oneDNN's blocked layout on every call,
     which dominates at few rows; reordered once here (what vLLM-CPU does too), the
     same kernels run on the CPU's bf16 instructions (AMX tiles where present)
@@ -105,17 +106,25 @@ def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
     avx512_bf16 (no AMX), 1 thread, GFLOP/s, bf16 `x @ w` -> prepacked: qkv
     576x960 at 1 row 18 -> 33, 8 rows 96 -> 119, 64 rows 170 -> 202; gate_up
     576x3072 at 1/8/64/512 rows 20/94/188/149 -> 48/177/203/152; the 49152-wide
-    LM head at 8/64 rows 32/116 -> 96/177. fp32 would gain too (gate_up at 8 rows
-    45 -> 102) but is left on MKL: its results must match transformers' fp32
-    bit for bit, and oneDNN sums in another order.
+    LM head at 8/64 rows 32/116 -> 96/177.
+
+    Why fp32 too (2026-12-01): MKL's fp32 `x @ w` -> oneDNN prepacked, same EPYC, 1
+    thread, best of 20: gate_up at 8/64/512 rows 39/77/92 -> 103/108/108, the LM head
+    at 8/64 rows 19/53 -> 52/101; at 1 row equal, but the LM head 10.5 -> 4.6 (so `_mm`
+    keeps MKL for a single fp32 row). The cost is bit-parity: oneDNN sums
+    in another order than MKL (which transformers' `F.linear` uses), so fp32 logits
+    move by ~1e-6 relative (tests/test_model.py bounds it); greedy tokens still
+    match transformers in every parity test (vLLM-CPU's fp32 differs from
+    transformers in the same way and matched it on all 64 engine64 requests).
+    `PAGEDSERVE_PREPACK=0` restores MKL for bit-identical fp32 logits.
     """
     return (
-        dtype == torch.bfloat16
+        dtype in (torch.bfloat16, torch.float32)
         and device.type == "cpu"
         and os.environ.get("PAGEDSERVE_PREPACK", "1") != "0"
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        and (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 

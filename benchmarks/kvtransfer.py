@@ -31,8 +31,11 @@ ratio compares best with best, taken in the same run; grpc and raw grpc run in t
 so that a load that comes and goes hits both alike). `paired` is the median over turns
 of raw time / grpc time, one pull and one raw stream back to back: a single lucky or
 unlucky turn moves best / best (39-96% between three runs on a loaded machine here),
-not the paired median (52-96%, medians 61-80%). Both processes run torch with
-`--threads` threads. Checksums: the wire format's default kind (XXH3-64 when `xxhash`
+not the paired median (52-96%, medians 61-80%). A second table gives each side's CPU
+time per MiB (every thread of the puller, this process, and of the exporter) for the
+pulls and the raw streams, and `cpu raw/grpc`: where the gap goes, per side, in a cost
+that does not depend on what else runs. Both processes run torch with `--threads`
+threads. Checksums: the wire format's default kind (XXH3-64 when `xxhash`
 is installed, else CRC-32), or `--checksum`.
 """
 
@@ -44,9 +47,10 @@ import multiprocessing as mp
 import statistics
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import grpc
 import torch
@@ -109,6 +113,9 @@ def _exporter_main(conn, threads: int, chunk_bytes: int, checksum: str) -> None:
     def release(request: bytes, context) -> bytes:
         return b"\x01" if source.release(request.decode()) else b"\x00"
 
+    def cpu_seconds(request: bytes, context) -> bytes:
+        return struct.pack("<d", time.process_time())  # every thread of this process
+
     def raw_stream(request: bytes, context):
         sizes = struct.unpack(f"<{len(request) // 4}I", request)
         for size in sizes:
@@ -125,6 +132,7 @@ def _exporter_main(conn, threads: int, chunk_bytes: int, checksum: str) -> None:
                 {
                     "Export": grpc.unary_unary_rpc_method_handler(export),
                     "Release": grpc.unary_unary_rpc_method_handler(release),
+                    "CpuSeconds": grpc.unary_unary_rpc_method_handler(cpu_seconds),
                     "RawStream": grpc.unary_stream_rpc_method_handler(raw_stream),
                 },
             ),
@@ -157,6 +165,13 @@ class Row:
     shm_pull_vs_memcpy: float
     grpc_vs_raw: float
     grpc_vs_raw_paired: float  # median of per-turn ratios (see paired_ratio)
+    # CPU time per MiB of payload, summed over every thread of a process: the puller
+    # (this process) and the exporter, for the pulls and for the raw streams.
+    grpc_cpu_puller_us_per_mib: float
+    grpc_cpu_exporter_us_per_mib: float
+    raw_cpu_puller_us_per_mib: float
+    raw_cpu_exporter_us_per_mib: float
+    grpc_vs_raw_cpu: float  # raw CPU / grpc CPU, both processes together
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:
@@ -169,19 +184,36 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
     return min(times)
 
 
-def times_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+class Turns(NamedTuple):
+    seconds: dict[str, list[float]]  # wall time of each turn, per variant
+    cpu_seconds: dict[str, list[float]]  # per variant, per clock: summed over the turns
+
+
+def times_interleaved(
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    cpu_clocks: Sequence[Callable[[], float]] = (),
+) -> Turns:
     """`repeats` times of each of `fns`, run in turns (a, b, a, b, ...) after one warm-up
     each: a load that comes and goes on a shared machine then hits every variant alike,
-    where timing all of one before the other let the load decide a ratio."""
+    where timing all of one before the other let the load decide a ratio.
+
+    `cpu_clocks` (CPU seconds of a process) are read around every turn, outside its
+    wall time, and summed per variant: CPU time is what a variant costs, wall time that
+    plus whatever other processes on a shared machine took meanwhile."""
     for fn in fns.values():
         fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    seconds: dict[str, list[float]] = {name: [] for name in fns}
+    cpu = {name: [0.0] * len(cpu_clocks) for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            c0 = [clock() for clock in cpu_clocks]
             t0 = time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - t0)
-    return times
+            seconds[name].append(time.perf_counter() - t0)
+            for i, clock in enumerate(cpu_clocks):
+                cpu[name][i] += clock() - c0[i]
+    return Turns(seconds, cpu)
 
 
 def paired_ratio(baseline: list[float], measured: list[float]) -> float:
@@ -242,16 +274,22 @@ def measure(
     sizes = message_sizes(n, chunk_bytes)
     request = struct.pack(f"<{len(sizes)}I", *sizes)
     dst.zero_()
+    exporter_cpu = channel.unary_unary(f"/{BENCH_SERVICE}/CpuSeconds")
     with grpc_transport.channels.use(handle.transfer_address) as transfer_channel:
         raw = transfer_channel.unary_stream(f"/{BENCH_SERVICE}/RawStream")
-        times = times_interleaved(
+        turns = times_interleaved(
             {
                 "grpc": lambda: grpc_transport.pull_into(handle, sink),
                 "raw": lambda: sum(len(m) for m in raw(request)),
             },
             repeats,
+            cpu_clocks=(time.process_time, lambda: struct.unpack("<d", exporter_cpu(b""))[0]),
         )
+    times = turns.seconds
     t_grpc, t_raw = min(times["grpc"]), min(times["raw"])
+    us_per_mib = {
+        k: [c / repeats / (nbytes / 2**20) * 1e6 for c in v] for k, v in turns.cpu_seconds.items()
+    }
     remote = new_cache(seed=1)[:, :, list(handle.block_ids)]
     assert torch.equal(dst[:, :, dst_ids], remote), "grpc transfer corrupted data"
     channel.unary_unary(f"/{BENCH_SERVICE}/Release")(handle.lease_id.encode())
@@ -271,6 +309,11 @@ def measure(
         shm_pull_vs_memcpy=t_memcpy / t_pull,
         grpc_vs_raw=t_raw / t_grpc,
         grpc_vs_raw_paired=paired_ratio(times["raw"], times["grpc"]),
+        grpc_cpu_puller_us_per_mib=us_per_mib["grpc"][0],
+        grpc_cpu_exporter_us_per_mib=us_per_mib["grpc"][1],
+        raw_cpu_puller_us_per_mib=us_per_mib["raw"][0],
+        raw_cpu_exporter_us_per_mib=us_per_mib["raw"][1],
+        grpc_vs_raw_cpu=sum(us_per_mib["raw"]) / sum(us_per_mib["grpc"]),
     )
 
 
@@ -290,17 +333,34 @@ def _row_line(r: Row) -> str:
     )
 
 
+CPU_HEAD = (
+    f"{'tokens':>6} | {'raw: puller':>11} {'exporter':>8} | {'grpc: puller':>12} "
+    f"{'exporter':>8} | {'cpu raw/grpc':>12}"
+)
+
+
+def _cpu_line(r: Row) -> str:
+    return (
+        f"{r.tokens:>6} | {r.raw_cpu_puller_us_per_mib:>11.0f} "
+        f"{r.raw_cpu_exporter_us_per_mib:>8.0f} | {r.grpc_cpu_puller_us_per_mib:>12.0f} "
+        f"{r.grpc_cpu_exporter_us_per_mib:>8.0f} | {r.grpc_vs_raw_cpu:>12.0%}"
+    )
+
+
 def print_table(rows: list[Row], checksum: str) -> None:
     title = f"throughput in GB/s (payload bytes / best time), checksum {checksum}"
     print_rows(title, TABLE_HEAD, map(_row_line, rows))
+    title = "CPU us per MiB of payload, every thread of each process, mean over the turns"
+    print_rows(title, CPU_HEAD, map(_cpu_line, rows))
     big = [r for r in rows if r.tokens >= 256]
     label = "median over >= 256 tokens" if big else "median over all sizes"
     shm = statistics.median(r.shm_vs_memcpy for r in big or rows)
     grpc_ratio = statistics.median(r.grpc_vs_raw for r in big or rows)
     paired = statistics.median(r.grpc_vs_raw_paired for r in big or rows)
+    cpu = statistics.median(r.grpc_vs_raw_cpu for r in big or rows)
     print(
         f"{label}: shm/memcpy {shm:.0%} (target >= 50%), "
-        f"grpc/raw grpc {grpc_ratio:.0%} (paired {paired:.0%}) (target >= 80%)"
+        f"grpc/raw grpc {grpc_ratio:.0%} (paired {paired:.0%}, CPU {cpu:.0%}) (target >= 80%)"
     )
 
 

@@ -29,13 +29,13 @@ payload bytes over the best time of `--repeats` runs after one warm-up: the mach
 shared, and the minimum is the measurement least disturbed by other processes (each
 ratio compares best with best, taken in the same run; grpc and raw grpc run in turns,
 so that a load that comes and goes hits both alike). `paired` is the median over turns
-of raw time / grpc time, one pull and one raw stream back to back: a single lucky or
-unlucky turn moves best / best (39-96% between three runs on a loaded machine here),
-not the paired median (52-96%, medians 61-80%). A second table gives each side's CPU
-time per MiB (every thread of the puller, this process, and of the exporter) for the
-pulls and the raw streams, and `cpu raw/grpc`: where the gap goes, per side, in a cost
-that does not depend on what else runs. Both processes run torch with `--threads`
-threads. Checksums: the wire format's default kind (XXH3-64 when `xxhash`
+of raw time / grpc time, one pull and one raw stream back to back, which one lucky or
+unlucky turn cannot move. A second table gives each side's CPU time per MiB (every
+thread of the puller, this process, and of the exporter) for the pulls and the raw
+streams, and `cpu raw/grpc`: where the gap goes, per side. On the shared 2-core
+machine (load average ~6.5, 2026-12-01), three runs at 256/1024/2048 tokens gave
+best / best 38-98%, paired 55-81%, CPU 54-78%: read a ratio from several runs. Both
+processes run torch with `--threads` threads. Checksums: the wire format's default kind (XXH3-64 when `xxhash`
 is installed, else CRC-32), or `--checksum`.
 """
 

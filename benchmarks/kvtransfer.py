@@ -18,7 +18,8 @@ goes from randomly placed blocks of one cache into randomly placed blocks of ano
             share alone. The design copies twice (cache -> segment -> cache), so 50% of
             one memcpy is its ceiling at equal copy speeds.
 - raw grpc: a bare streaming RPC sending pre-built bytes messages of the same sizes as
-            the transport's KVChunk messages, received and dropped (the baseline for grpc).
+            the transport's KVChunk messages, received and dropped (the baseline for grpc),
+            over the transport's own channel: the same connection and options.
 - grpc:     `GrpcTransport.pull_into` from an exporter in another process (its own
             cache, KVSource staged privately, KVTransfer servicer): frame, send, unframe,
             verify, scatter. The export is done before timing (its cost is `export`).
@@ -26,8 +27,15 @@ goes from randomly placed blocks of one cache into randomly placed blocks of ano
 Ratios: shm / memcpy (target >= 50%) and grpc / raw grpc (target >= 80%). Throughput is
 payload bytes over the best time of `--repeats` runs after one warm-up: the machine is
 shared, and the minimum is the measurement least disturbed by other processes (each
-ratio compares best with best, taken in the same run). Both processes run torch with
-`--threads` threads. Checksums: the wire format's default kind (XXH3-64 when `xxhash`
+ratio compares best with best, taken in the same run; grpc and raw grpc run in turns,
+so that a load that comes and goes hits both alike). `paired` is the median over turns
+of raw time / grpc time, one pull and one raw stream back to back, which one lucky or
+unlucky turn cannot move. A second table gives each side's CPU time per MiB (every
+thread of the puller, this process, and of the exporter) for the pulls and the raw
+streams, and `cpu raw/grpc`: where the gap goes, per side. On the shared 2-core
+machine (load average ~6.5, 2026-12-01), three runs at 256/1024/2048 tokens gave
+best / best 38-98%, paired 55-81%, CPU 54-78%: read a ratio from several runs. Both
+processes run torch with `--threads` threads. Checksums: the wire format's default kind (XXH3-64 when `xxhash`
 is installed, else CRC-32), or `--checksum`.
 """
 
@@ -39,9 +47,10 @@ import multiprocessing as mp
 import statistics
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import grpc
 import torch
@@ -104,6 +113,9 @@ def _exporter_main(conn, threads: int, chunk_bytes: int, checksum: str) -> None:
     def release(request: bytes, context) -> bytes:
         return b"\x01" if source.release(request.decode()) else b"\x00"
 
+    def cpu_seconds(request: bytes, context) -> bytes:
+        return struct.pack("<d", time.process_time())  # every thread of this process
+
     def raw_stream(request: bytes, context):
         sizes = struct.unpack(f"<{len(request) // 4}I", request)
         for size in sizes:
@@ -120,6 +132,7 @@ def _exporter_main(conn, threads: int, chunk_bytes: int, checksum: str) -> None:
                 {
                     "Export": grpc.unary_unary_rpc_method_handler(export),
                     "Release": grpc.unary_unary_rpc_method_handler(release),
+                    "CpuSeconds": grpc.unary_unary_rpc_method_handler(cpu_seconds),
                     "RawStream": grpc.unary_stream_rpc_method_handler(raw_stream),
                 },
             ),
@@ -151,6 +164,14 @@ class Row:
     shm_vs_memcpy: float
     shm_pull_vs_memcpy: float
     grpc_vs_raw: float
+    grpc_vs_raw_paired: float  # median of per-turn ratios (see paired_ratio)
+    # CPU time per MiB of payload, summed over every thread of a process: the puller
+    # (this process) and the exporter, for the pulls and for the raw streams.
+    grpc_cpu_puller_us_per_mib: float
+    grpc_cpu_exporter_us_per_mib: float
+    raw_cpu_puller_us_per_mib: float
+    raw_cpu_exporter_us_per_mib: float
+    grpc_vs_raw_cpu: float  # raw CPU / grpc CPU, both processes together
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:
@@ -163,7 +184,52 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
     return min(times)
 
 
-def measure(tokens: int, repeats: int, chunk_bytes: int, checksum: str, channel) -> Row:
+class Turns(NamedTuple):
+    seconds: dict[str, list[float]]  # wall time of each turn, per variant
+    cpu_seconds: dict[str, list[float]]  # per variant, per clock: summed over the turns
+
+
+def times_interleaved(
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    cpu_clocks: Sequence[Callable[[], float]] = (),
+) -> Turns:
+    """`repeats` times of each of `fns`, run in turns (a, b, a, b, ...) after one warm-up
+    each: a load that comes and goes on a shared machine then hits every variant alike,
+    where timing all of one before the other let the load decide a ratio.
+
+    `cpu_clocks` (CPU seconds of a process) are read around every turn, outside its
+    wall time, and summed per variant: CPU time is what a variant costs, wall time that
+    plus whatever other processes on a shared machine took meanwhile."""
+    for fn in fns.values():
+        fn()
+    seconds: dict[str, list[float]] = {name: [] for name in fns}
+    cpu = {name: [0.0] * len(cpu_clocks) for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            c0 = [clock() for clock in cpu_clocks]
+            t0 = time.perf_counter()
+            fn()
+            seconds[name].append(time.perf_counter() - t0)
+            for i, clock in enumerate(cpu_clocks):
+                cpu[name][i] += clock() - c0[i]
+    return Turns(seconds, cpu)
+
+
+def paired_ratio(baseline: list[float], measured: list[float]) -> float:
+    """Median over turns of baseline time / measured time, each pair run back to back:
+    steadier than best / best when the machine's load moves between turns."""
+    return statistics.median(b / m for b, m in zip(baseline, measured, strict=True))
+
+
+def measure(
+    tokens: int,
+    repeats: int,
+    chunk_bytes: int,
+    checksum: str,
+    channel: grpc.Channel,
+    grpc_transport: GrpcTransport,
+) -> Row:
     n = -(-tokens // BLOCK_SIZE)
     src, dst = new_cache(seed=2), torch.zeros_like(new_cache(seed=2))
     src_ids, dst_ids = random_blocks(n, seed=3), random_blocks(n, seed=4)
@@ -199,22 +265,34 @@ def measure(tokens: int, repeats: int, chunk_bytes: int, checksum: str, channel)
     t_shm, t_export, t_pull = (min(phases[k]) for k in ("total", "export", "pull"))
 
     # grpc: the exporter process holds the blocks; pull them repeatedly from one lease.
+    # The raw stream runs over the transport's own channel (one TCP connection, the
+    # same options and flow-control state), in turns with the pulls.
     export = channel.unary_unary(f"/{BENCH_SERVICE}/Export")
-    raw = channel.unary_stream(f"/{BENCH_SERVICE}/RawStream")
     from pagedserve.v1 import kvtransfer_pb2
 
     handle = ExportedKV.from_proto(kvtransfer_pb2.KVHandle.FromString(export(struct.pack("<I", n))))
-    grpc_transport = GrpcTransport(max_chunk_bytes=chunk_bytes)
+    sizes = message_sizes(n, chunk_bytes)
+    request = struct.pack(f"<{len(sizes)}I", *sizes)
     dst.zero_()
-    t_grpc = best_time(lambda: grpc_transport.pull_into(handle, sink), repeats)
+    exporter_cpu = channel.unary_unary(f"/{BENCH_SERVICE}/CpuSeconds")
+    with grpc_transport.channels.use(handle.transfer_address) as transfer_channel:
+        raw = transfer_channel.unary_stream(f"/{BENCH_SERVICE}/RawStream")
+        turns = times_interleaved(
+            {
+                "grpc": lambda: grpc_transport.pull_into(handle, sink),
+                "raw": lambda: sum(len(m) for m in raw(request)),
+            },
+            repeats,
+            cpu_clocks=(time.process_time, lambda: struct.unpack("<d", exporter_cpu(b""))[0]),
+        )
+    times = turns.seconds
+    t_grpc, t_raw = min(times["grpc"]), min(times["raw"])
+    us_per_mib = {
+        k: [c / repeats / (nbytes / 2**20) * 1e6 for c in v] for k, v in turns.cpu_seconds.items()
+    }
     remote = new_cache(seed=1)[:, :, list(handle.block_ids)]
     assert torch.equal(dst[:, :, dst_ids], remote), "grpc transfer corrupted data"
     channel.unary_unary(f"/{BENCH_SERVICE}/Release")(handle.lease_id.encode())
-    grpc_transport.close()
-
-    sizes = message_sizes(n, chunk_bytes)
-    request = struct.pack(f"<{len(sizes)}I", *sizes)
-    t_raw = best_time(lambda: sum(len(m) for m in raw(request)), repeats)
 
     gbps = lambda t: nbytes / t / 1e9  # noqa: E731
     return Row(
@@ -230,12 +308,19 @@ def measure(tokens: int, repeats: int, chunk_bytes: int, checksum: str, channel)
         shm_vs_memcpy=t_memcpy / t_shm,
         shm_pull_vs_memcpy=t_memcpy / t_pull,
         grpc_vs_raw=t_raw / t_grpc,
+        grpc_vs_raw_paired=paired_ratio(times["raw"], times["grpc"]),
+        grpc_cpu_puller_us_per_mib=us_per_mib["grpc"][0],
+        grpc_cpu_exporter_us_per_mib=us_per_mib["grpc"][1],
+        raw_cpu_puller_us_per_mib=us_per_mib["raw"][0],
+        raw_cpu_exporter_us_per_mib=us_per_mib["raw"][1],
+        grpc_vs_raw_cpu=sum(us_per_mib["raw"]) / sum(us_per_mib["grpc"]),
     )
 
 
 TABLE_HEAD = (
     f"{'tokens':>6} {'blocks':>6} {'MiB':>7} | {'memcpy':>7} {'shm':>7} {'export':>7} "
-    f"{'pull':>7} {'shm/mem':>7} {'pull/mem':>8} | {'raw grpc':>8} {'grpc':>7} {'grpc/raw':>8}"
+    f"{'pull':>7} {'shm/mem':>7} {'pull/mem':>8} | {'raw grpc':>8} {'grpc':>7} {'grpc/raw':>8} "
+    f"{'paired':>6}"
 )
 
 
@@ -244,20 +329,38 @@ def _row_line(r: Row) -> str:
         f"{r.tokens:>6} {r.blocks:>6} {r.bytes / 2**20:>7.2f} | {r.memcpy_gbps:>7.2f} "
         f"{r.shm_gbps:>7.2f} {r.shm_export_gbps:>7.2f} {r.shm_pull_gbps:>7.2f} "
         f"{r.shm_vs_memcpy:>7.0%} {r.shm_pull_vs_memcpy:>8.0%} | {r.raw_grpc_gbps:>8.2f} "
-        f"{r.grpc_gbps:>7.2f} {r.grpc_vs_raw:>8.0%}"
+        f"{r.grpc_gbps:>7.2f} {r.grpc_vs_raw:>8.0%} {r.grpc_vs_raw_paired:>6.0%}"
+    )
+
+
+CPU_HEAD = (
+    f"{'tokens':>6} | {'raw: puller':>11} {'exporter':>8} | {'grpc: puller':>12} "
+    f"{'exporter':>8} | {'cpu raw/grpc':>12}"
+)
+
+
+def _cpu_line(r: Row) -> str:
+    return (
+        f"{r.tokens:>6} | {r.raw_cpu_puller_us_per_mib:>11.0f} "
+        f"{r.raw_cpu_exporter_us_per_mib:>8.0f} | {r.grpc_cpu_puller_us_per_mib:>12.0f} "
+        f"{r.grpc_cpu_exporter_us_per_mib:>8.0f} | {r.grpc_vs_raw_cpu:>12.0%}"
     )
 
 
 def print_table(rows: list[Row], checksum: str) -> None:
     title = f"throughput in GB/s (payload bytes / best time), checksum {checksum}"
     print_rows(title, TABLE_HEAD, map(_row_line, rows))
+    title = "CPU us per MiB of payload, every thread of each process, mean over the turns"
+    print_rows(title, CPU_HEAD, map(_cpu_line, rows))
     big = [r for r in rows if r.tokens >= 256]
     label = "median over >= 256 tokens" if big else "median over all sizes"
     shm = statistics.median(r.shm_vs_memcpy for r in big or rows)
     grpc_ratio = statistics.median(r.grpc_vs_raw for r in big or rows)
+    paired = statistics.median(r.grpc_vs_raw_paired for r in big or rows)
+    cpu = statistics.median(r.grpc_vs_raw_cpu for r in big or rows)
     print(
         f"{label}: shm/memcpy {shm:.0%} (target >= 50%), "
-        f"grpc/raw grpc {grpc_ratio:.0%} (target >= 80%)"
+        f"grpc/raw grpc {grpc_ratio:.0%} (paired {paired:.0%}, CPU {cpu:.0%}) (target >= 80%)"
     )
 
 
@@ -283,12 +386,14 @@ def main(argv: list[str] | None = None) -> int:
     proc.start()
     try:
         port = parent.recv()
-        channel = grpc.insecure_channel(
-            f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)]
-        )
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")  # exports and releases
+        # One transport for the whole run, as a worker keeps one (its channels stay open).
+        grpc_transport = GrpcTransport(max_chunk_bytes=args.chunk_bytes)
         rows = [
-            measure(t, args.repeats, args.chunk_bytes, args.checksum, channel) for t in args.tokens
+            measure(t, args.repeats, args.chunk_bytes, args.checksum, channel, grpc_transport)
+            for t in args.tokens
         ]
+        grpc_transport.close()
         channel.close()
     finally:
         parent.send("stop")

@@ -18,10 +18,10 @@ Measured, in one run, each after a warm-up:
 3. transformers one request at a time (slow on CPU: `--single-limit N` times only
    the first N requests and reports their rate, labelled as such);
 4. optionally vLLM's CPU build in its own virtual environment (`--vllm-python`).
-With several `--dtype`/`--kernel`/`--prepack` values, every combination of engine
-settings runs in turn, `--repeat` alternating rounds, each reported at its median
-round; `engine x` is then the first variant's rate over each row's, and
-`--kernel off --prepack off` is the engine as before bf16 got either.
+With several `--dtype`/`--kernel`/`--prepack`/`--fused` values, every combination
+of engine settings runs in turn, `--repeat` alternating rounds, each reported at its
+median round; `engine x` is then the first variant's rate over each row's, and
+`--kernel off --prepack off --fused off` is the engine as before bf16 got any.
 
 Also reported: peak KV blocks in use against what a contiguous max_model_len
 reservation per request would hold, and the engine's own overhead per step (time
@@ -79,10 +79,16 @@ def run_result(
 
 
 def run_engine(
-    reqs: list[dict], dtype: str, max_batched_tokens: int, kernel: bool = True, prepack: bool = True
+    reqs: list[dict],
+    dtype: str,
+    max_batched_tokens: int,
+    kernel: bool = True,
+    prepack: bool = True,
+    fused: bool = True,
 ) -> dict:
-    """One engine over the workload. `kernel`/`prepack` False turn off the compiled
-    CPU attention kernel / the oneDNN-prepacked bf16 weights (for before/after)."""
+    """One engine over the workload. `kernel`/`prepack`/`fused` False turn off the
+    compiled CPU attention kernel / the oneDNN-prepacked bf16 weights / the fused bf16
+    CPU ops (for before/after)."""
     engine = LLMEngine(
         EngineConfig(
             dtype=dtype,  # type: ignore[arg-type]
@@ -95,6 +101,8 @@ def run_engine(
     engine.model.attention_backend.cpu_kernel = kernel
     if not prepack:
         engine.model.prepack_weights(False)
+    if not fused:
+        engine.model.use_fused_ops(False)
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     engine.add_request("warmup", prompt_token_ids=reqs[0]["prompt_token_ids"], params=warm)
     while engine.has_unfinished_requests():
@@ -127,7 +135,8 @@ def run_engine(
     contiguous_blocks = len(reqs) * -(-engine.max_model_len // block_size)
     step_s = after.step_s_total - before.step_s_total
     fwd_s = after.forward_s_total - before.forward_s_total
-    settings = "" if kernel and prepack else f" (kernel {kernel}, prepack {prepack})"
+    settings = f" (kernel {kernel}, prepack {prepack}, fused {fused})"
+    settings = "" if kernel and prepack and fused else settings
     return run_result(
         f"pagedserve engine{settings}".replace("True", "on").replace("False", "off"),
         engine.dtype_name,
@@ -272,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_on_off(ap, "--kernel", "C attention kernel")
     add_on_off(ap, "--prepack", "oneDNN bf16 weights")
+    add_on_off(ap, "--fused", "fused bf16 CPU ops (RMSNorm + add, SiLU-and-mul, RoPE)")
     ap.add_argument(
         "--repeat", type=int, default=1, help="rounds of all engine variants, in alternation"
     )
@@ -289,19 +299,20 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = [resolve_dtype(d, "cpu") for d in args.dtype]
     dtype = dtypes[0]
     reqs = load_workload(args.workload, args.limit)
-    # prepacking applies to bf16 only (model.can_prepack): other dtypes run once
+    # prepacking and fused ops apply to bf16 only (model.can_prepack, can_fuse): others run once
     variants = [
-        (d, k, pk)
+        (d, k, pk, f)
         for d in dtypes
         for k in args.kernel
         for pk in args.prepack
-        if d == "bfloat16" or pk == args.prepack[0]
+        for f in args.fused
+        if d == "bfloat16" or (pk, f) == (args.prepack[0], args.fused[0])
     ]
     runs: dict[tuple, list[dict]] = {v: [] for v in variants}
     for _ in range(args.repeat):  # alternating rounds: a shared machine's load hits all
-        for d, k, pk in variants:
-            runs[(d, k, pk)].append(
-                run_engine(reqs, d, args.max_batched_tokens, k == "on", pk == "on")
+        for d, k, pk, f in variants:
+            runs[(d, k, pk, f)].append(
+                run_engine(reqs, d, args.max_batched_tokens, k == "on", pk == "on", f == "on")
             )
     results = [_median_run(rs) for rs in runs.values()]
     eng = results[0]

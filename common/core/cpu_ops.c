@@ -11,8 +11,8 @@
  *
  * All arithmetic is fp32 on the fp32 values of the bf16 inputs; a product of two bf16 is
  * exact in fp32, so rounding it to bf16 once is what torch does too. Rounding is to
- * nearest even by integer arithmetic on the fp32 bits (torch's c10::BFloat16 rule, NaN
- * kept a quiet NaN), not VCVTNEPS2BF16, which flushes denormals. The one place where the
+ * nearest even by integer arithmetic on the fp32 bits (torch's c10::BFloat16 rule; a
+ * NaN stays a NaN, its bits may differ from torch's), not VCVTNEPS2BF16, which flushes denormals. The one place where the
  * result can differ from torch's is the sum of squares of RMSNorm: torch sums in fp32 in
  * blocks, this kernel in double (closest to the exact mean, so what differs is torch's own
  * rounding); the fp32 means may differ in their last bit, and a normalized value lying
@@ -86,15 +86,14 @@ static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
 }
 
 /* fp32 lanes rounded to nearest even, as 32-bit lanes holding the bf16 in the high half
- * (so also the fp32 value of the rounded bf16); NaN stays a quiet NaN. */
+ * (so also the fp32 value of the rounded bf16). No NaN test: every value rounded here is
+ * computed from bf16 values, and a NaN so made (an operand's, quieted, or the default
+ * one) has its low 16 bits zero, so the rounding adds no carry and it stays a NaN. */
 static inline __m512i round_hi(__m512 f) {
     const __m512i b = _mm512_castps_si512(f);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_and_si512(
-        _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
-        _mm512_set1_epi32((int)0xffff0000u));
-    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(b, _mm512_set1_epi32(0x00400000)));
+    return _mm512_and_si512(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                            _mm512_set1_epi32((int)0xffff0000u));
 }
 
 static inline __m512 round_bf16_v(__m512 f) { return _mm512_castsi512_ps(round_hi(f)); }
@@ -174,8 +173,9 @@ static void silu_mul_row(const uint16_t *g, const uint16_t *u, uint16_t *out, in
         const __mmask16 m = tail_mask(n - i);
         const __m512 gf = load_bf16(g + i, m);
         const __m512 e = exp_v(_mm512_sub_ps(_mm512_setzero_ps(), gf));
-        __m512 act = _mm512_div_ps(gf, _mm512_add_ps(one, e));
-        act = _mm512_mask_mov_ps(act, _mm512_cmp_ps_mask(gf, gf, _CMP_UNORD_Q), gf);
+        /* NaN in g stays NaN through the numerator (the clamp in exp_v maps it to a
+         * number); -inf gives inf / inf = NaN and +inf gives inf, as in torch. */
+        const __m512 act = _mm512_div_ps(gf, _mm512_add_ps(one, e));
         store_bf16(out + i, _mm512_mul_ps(round_bf16_v(act), load_bf16(u + i, m)), m);
     }
 }

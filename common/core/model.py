@@ -22,6 +22,12 @@ decode shapes here (M = 8..48 rows; e.g. 32 x 576 @ 576 x 3072: 0.57 vs 1.49 ms,
 the 49152-wide LM head at 32 rows: 14 vs 25 ms; equal from M = 64 up). A tied LM
 head therefore gets its own transposed copy on CPU (vocab x hidden more memory);
 elsewhere it reuses the embedding through `F.linear`.
+
+In bf16 on the CPU the small ops run as fused C kernels (`cpu_ops.py`, switched by
+`use_fused_ops`): each residual add together with the RMSNorm after it (which is why
+a layer takes and returns both the residual stream and its normalized copy),
+SiLU-and-mul, and RoPE (with Qwen3's q/k norm) in place in the qkv output. They round
+where the torch ops round; fp32 always takes the torch ops.
 """
 
 from __future__ import annotations

@@ -15,9 +15,11 @@ transformers median / pagedserve median.
 Every dtype's model is loaded first and all variants are timed in one
 alternation, so the bf16/fp32 ratio (and, with `--kernel on off`, the compiled
 attention kernel against the torch gather + SDPA path; with `--prepack on off`,
-oneDNN-prepacked bf16 weights against torch's matmul) comes from the same
-minutes of a shared machine: `vs first` = the first row's median / this row's.
-`--kernel off --prepack off` is the engine as it was before bf16 got either.
+oneDNN-prepacked bf16 weights against torch's matmul; with `--fused on off`, the
+fused bf16 C kernels of RMSNorm + residual add, SiLU-and-mul and RoPE against
+torch's ops) comes from the same minutes of a shared machine: `vs first` = the
+first row's median / this row's. `--kernel off --prepack off --fused off` is the
+engine as it was before bf16 got any of them.
 
 `--profile` instead breaks one decode step (`--batch`'s first value, default 64
 with it) and one `--prefill-len`-token prefill step into per-op times with
@@ -27,6 +29,7 @@ kernel or the torch path, K/V writes apart), SiLU-and-mul, logits.
     python -m benchmarks.decode_step                      # fp32 and bf16, batch 1 8 32
     python -m benchmarks.decode_step --dtype bf16 --batch 32 --context 512 --json out.json
     python -m benchmarks.decode_step --no-baseline --batch 1 8 64 --kernel on off --prepack on off
+    python -m benchmarks.decode_step --no-baseline --dtype bf16 --batch 1 8 64 --fused on off
     python -m benchmarks.decode_step --profile --dtype fp32 bf16 --json profile.json
 """
 
@@ -135,14 +138,17 @@ def transformers_step(hf, batch: int, context: int) -> Callable[[], None]:
     return step
 
 
-def _with_settings(step: Callable[[], None], model, kernel: bool, prepack: bool):
-    """`step` run with the compiled CPU attention kernel on or off and the model's
-    prepacked weights in use or not (swapped in and out, not rebuilt)."""
+def _with_settings(step: Callable[[], None], model, kernel: bool, prepack: bool, fused: bool):
+    """`step` run with the compiled CPU attention kernel on or off, the model's
+    prepacked weights in use or not (swapped in and out, not rebuilt) and the fused
+    bf16 ops on or off."""
     packs = ([layer.packed for layer in model.layers], model.lm_head_packed)
     backend = model.attention_backend
+    ops = model.ops
 
     def run() -> None:
         backend.cpu_kernel = kernel
+        model.ops = ops if fused else None
         for layer, packed in zip(model.layers, packs[0], strict=True):
             layer.packed = packed if prepack else {}
         model.lm_head_packed = packs[1] if prepack else None
@@ -151,11 +157,13 @@ def _with_settings(step: Callable[[], None], model, kernel: bool, prepack: bool)
     return run
 
 
-def _settings(args, dtype: str) -> list[tuple[str, str]]:
-    """(kernel, prepack) pairs asked for: every combination of --kernel and --prepack
-    (prepacking applies to bf16 only, model.can_prepack: other dtypes take the first)."""
+def _settings(args, dtype: str) -> list[tuple[str, str, str]]:
+    """(kernel, prepack, fused) asked for: every combination of --kernel, --prepack and
+    --fused (prepacking and fused ops apply to bf16 only, model.can_prepack and
+    model.can_fuse: other dtypes take the first value)."""
     prepack = args.prepack if dtype == "bf16" else args.prepack[:1]
-    return [(k, pk) for k in args.kernel for pk in prepack]
+    fused = args.fused if dtype == "bf16" else args.fused[:1]
+    return [(k, pk, f) for k in args.kernel for pk in prepack for f in fused]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -169,6 +177,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--no-baseline", action="store_true", help="skip transformers")
     add_on_off(ap, "--kernel", "C attention kernel where it fits (off: the torch path)")
     add_on_off(ap, "--prepack", "oneDNN-prepacked weights (bf16 on CPU, model.can_prepack)")
+    add_on_off(ap, "--fused", "fused C kernels of the small ops (bf16 on CPU, model.can_fuse)")
     ap.add_argument("--profile", action="store_true", help="per-op breakdown instead")
     ap.add_argument("--prefill-len", type=int, default=512, help="--profile's prefill step")
     ap.add_argument("--json", help="write the rows as JSON to this path")
@@ -192,24 +201,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
         variants, fns = [], []
         for d, lm in loaded.items():
             step = paged_step(lm, b, args.context, args.block_size)
-            for k, pk in _settings(args, d):
-                variants.append(("pagedserve", d, k, pk))
-                fns.append(_with_settings(step, lm.model, k == "on", pk == "on"))
+            for k, pk, f in _settings(args, d):
+                variants.append(("pagedserve", d, k, pk, f))
+                fns.append(_with_settings(step, lm.model, k == "on", pk == "on", f == "on"))
             if d in hfs:
-                variants.append(("transformers", d, "-", "-"))
+                variants.append(("transformers", d, "-", "-", "-"))
                 fns.append(transformers_step(hfs[d], b, args.context))
         times = _interleaved_ms(fns, args.iters, warmup=2)
         ref = {
-            d: t for (who, d, _, _), t in zip(variants, times, strict=True) if who == "transformers"
+            d: t for (who, d, *_), t in zip(variants, times, strict=True) if who == "transformers"
         }
         first = times[0][0]
-        for (who, d, k, pk), (med, lo) in zip(variants, times, strict=True):
+        for (who, d, k, pk, f), (med, lo) in zip(variants, times, strict=True):
             if who != "pagedserve":
                 continue
             row = dict(
                 dtype=d,
                 kernel=k,
                 prepack=pk,
+                fused=f,
                 batch=b,
                 context=args.context,
                 pagedserve_ms=round(med, 2),
@@ -239,7 +249,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def _print_row(r: dict, header: bool) -> None:
     if header:
         print(
-            f"{'dtype':>5} {'kernel':>6} {'prepack':>7} {'batch':>5} {'ctx':>5} {'pagedserve ms (min)':>20} "
+            f"{'dtype':>5} {'kernel':>6} {'prepack':>7} {'fused':>5} {'batch':>5} {'ctx':>5} {'pagedserve ms (min)':>20} "
             f"{'vs first':>8} {'transformers ms (min)':>22} {'speedup':>8} {'tok/s':>7}"
         )
     ours = f"{r['pagedserve_ms']:.1f} ({r['pagedserve_min_ms']:.1f})"
@@ -248,7 +258,7 @@ def _print_row(r: dict, header: bool) -> None:
         base = f"{r['transformers_ms']:.1f} ({r['transformers_min_ms']:.1f})"
     ratio = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
     print(
-        f"{r['dtype']:>5} {r['kernel']:>6} {r['prepack']:>7} {r['batch']:>5} {r['context']:>5} {ours:>20} "
+        f"{r['dtype']:>5} {r['kernel']:>6} {r['prepack']:>7} {r['fused']:>5} {r['batch']:>5} {r['context']:>5} {ours:>20} "
         f"{r['vs_first']:>7.2f}x {base:>22} {ratio:>8} {r['pagedserve_tok_s']:>7.0f}",
         flush=True,
     )
@@ -305,12 +315,17 @@ def _labelled(fn: Callable, label: str) -> Callable:
 def _phase_labels():
     """Label the model's phases for the profiler by wrapping their functions for the
     duration (the engine's code is not changed for profiling)."""
+    from pagedserve.common.core import cpu_ops
     from pagedserve.common.core import model as model_mod
     from pagedserve.common.core.attention import base, cpu_kernel, torch_backend
 
     patches = [
         (model_mod, "rms_norm", "rms_norm"),
         (model_mod, "apply_rope", "rope"),
+        (cpu_ops, "rms_norm", "fused rms_norm"),
+        (cpu_ops, "add_rms_norm", "fused residual add + rms_norm"),
+        (cpu_ops, "silu_and_mul", "fused SiLU-and-mul"),
+        (cpu_ops, "rope_", "fused rope (+ q/k norm)"),
         (model_mod.PagedCausalLM, "_rope_tables", "rope tables"),
         (model_mod.PagedCausalLM, "compute_logits", "logits (LM head)"),
         (torch_backend, "write_kv", "write K/V into cache"),
@@ -373,6 +388,10 @@ def _category(ev, weights: dict[tuple[int, int], str]) -> str:
 _LABELS = {
     "rms_norm",
     "rope",
+    "fused rms_norm",
+    "fused residual add + rms_norm",
+    "fused SiLU-and-mul",
+    "fused rope (+ q/k norm)",
     "rope tables",
     "logits (LM head)",
     "write K/V into cache",
@@ -408,7 +427,7 @@ def profile_main(args) -> list[dict]:
     and each op's figure is its median over the rounds: a shared machine's bursts
     land on single rounds, not on one variant."""
     batch = (args.batch or [64])[0]
-    variants = []  # (step name, dtype, "kernel/prepack", run, spec)
+    variants = []  # (step name, dtype, "kernel/prepack/fused", run, spec)
     models = []
     for d in args.dtype:
         lm = load_model(None, dtype=DTYPES[d], attention_backend="torch")
@@ -419,10 +438,10 @@ def profile_main(args) -> list[dict]:
             ),
             f"prefill {args.prefill_len}": prefill_step(lm, args.prefill_len, args.block_size),
         }
-        for k, pk in _settings(args, d):
+        for k, pk, f in _settings(args, d):
             for name, step in steps.items():
-                run = _with_settings(step, lm.model, k == "on", pk == "on")
-                variants.append((name, d, f"{k}/{pk}", run, lm.spec))
+                run = _with_settings(step, lm.model, k == "on", pk == "on", f == "on")
+                variants.append((name, d, f"{k}/{pk}/{f}", run, lm.spec))
     for _, _, _, run, _ in variants:  # warm-up
         run()
     samples: list[list[tuple[float, dict[str, float]]]] = [[] for _ in variants]
@@ -434,15 +453,24 @@ def profile_main(args) -> list[dict]:
         keys = {c for _, cats in out for c in cats}
         ops = {c: statistics.median(cats.get(c, 0.0) for _, cats in out) for c in keys}
         wall = statistics.median(w for w, _ in out)
-        kernel, prepack = k.split("/")
+        kernel, prepack, fused = k.split("/")
         results.append(
-            dict(step=name, dtype=d, kernel=kernel, prepack=prepack, wall_ms=wall, ops_ms=ops)
+            dict(
+                step=name,
+                dtype=d,
+                kernel=kernel,
+                prepack=prepack,
+                fused=fused,
+                wall_ms=wall,
+                ops_ms=ops,
+            )
         )
     for m in models:
         m.attention_backend.cpu_kernel = True
+        m.use_fused_ops()
     for name in dict.fromkeys(r["step"] for r in results):
         rs = [r for r in results if r["step"] == name]
-        cols = [f"{r['dtype']} k:{r['kernel']} p:{r['prepack']}" for r in rs]
+        cols = [f"{r['dtype']} k:{r['kernel']} p:{r['prepack']} f:{r['fused']}" for r in rs]
         total = {}
         for r in rs:
             for c, ms in r["ops_ms"].items():
@@ -452,13 +480,13 @@ def profile_main(args) -> list[dict]:
             f"\n{name} (ms per step, self CPU time, median of {args.iters} alternating "
             f"rounds; threads {args.threads})"
         )
-        print(f"{'op':34}" + "".join(f"{c:>17}" for c in cols))
+        print(f"{'op':34}" + "".join(f"{c:>21}" for c in cols))
         for c in order:
             if total[c] < 0.05 * len(rs):
                 continue
-            print(f"{c[:34]:34}" + "".join(f"{r['ops_ms'].get(c, 0.0):17.2f}" for r in rs))
-        print(f"{'sum of ops':34}" + "".join(f"{sum(r['ops_ms'].values()):17.2f}" for r in rs))
-        print(f"{'wall (profiled, median)':34}" + "".join(f"{r['wall_ms']:17.2f}" for r in rs))
+            print(f"{c[:34]:34}" + "".join(f"{r['ops_ms'].get(c, 0.0):21.2f}" for r in rs))
+        print(f"{'sum of ops':34}" + "".join(f"{sum(r['ops_ms'].values()):21.2f}" for r in rs))
+        print(f"{'wall (profiled, median)':34}" + "".join(f"{r['wall_ms']:21.2f}" for r in rs))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"threads": args.threads, "profile": results}, f, indent=2)

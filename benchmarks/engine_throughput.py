@@ -20,9 +20,9 @@ Measured, in one run, each after a warm-up:
    the first N requests and reports their rate, labelled as such);
 4. optionally vLLM's CPU build in its own virtual environment (`--vllm-python`), once
    per `--dtype`, all requests at once through `LLM.generate`.
-With several `--dtype`/`--kernel`/`--prepack` values, every combination of engine
-settings runs in turn, `--repeat` alternating rounds, each reported at its median
-round; `--kernel off --prepack off` is the engine as before bf16 got either. Every
+With several `--dtype`/`--kernel`/`--prepack`/`--fused` values, every combination of
+engine settings runs in turn, `--repeat` alternating rounds, each reported at its median
+round; `--kernel off --prepack off --fused off` is the engine as before bf16 got any. Every
 row is compared with the first pagedserve row of its own dtype: `engine x` is that
 row's rate over this row's, `greedy =` the requests whose tokens equal its tokens
 (exact agreement is expected in float32 only). `start s` is each engine's start-up:
@@ -124,10 +124,12 @@ def run_engine(
     max_batched_tokens: int,
     kernel: bool = True,
     prepack: bool = True,
+    fused: bool = True,
     model: str | None = None,
 ) -> dict:
-    """One engine over the workload. `kernel`/`prepack` False turn off the compiled
-    CPU attention kernel / the oneDNN-prepacked bf16 weights (for before/after).
+    """One engine over the workload. `kernel`/`prepack`/`fused` False turn off the
+    compiled CPU attention kernel / the oneDNN-prepacked weights / the fused bf16
+    CPU ops (for before/after).
     Its start-up (construction: weights loaded and prepacked, KV cache allocated; then
     the warm-up request) is timed like vLLM's: LLM() plus the same warm-up."""
     t_start = time.perf_counter()
@@ -144,6 +146,8 @@ def run_engine(
     engine.model.attention_backend.cpu_kernel = kernel
     if not prepack:
         engine.model.prepack_weights(False)
+    if not fused:
+        engine.model.use_fused_ops(False)
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     engine.add_request("warmup", prompt_token_ids=reqs[0]["prompt_token_ids"], params=warm)
     while engine.has_unfinished_requests():
@@ -177,7 +181,8 @@ def run_engine(
     contiguous_blocks = len(reqs) * -(-engine.max_model_len // block_size)
     step_s = after.step_s_total - before.step_s_total
     fwd_s = after.forward_s_total - before.forward_s_total
-    settings = "" if kernel and prepack else f" (kernel {kernel}, prepack {prepack})"
+    settings = f" (kernel {kernel}, prepack {prepack}, fused {fused})"
+    settings = "" if kernel and prepack and fused else settings
     return run_result(
         f"pagedserve engine{settings}".replace("True", "on").replace("False", "off"),
         engine.dtype_name,
@@ -539,6 +544,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_on_off(ap, "--kernel", "C attention kernel")
     add_on_off(ap, "--prepack", "oneDNN bf16 weights")
+    add_on_off(ap, "--fused", "fused bf16 CPU ops (RMSNorm + add, SiLU-and-mul, RoPE)")
     ap.add_argument(
         "--repeat", type=int, default=1, help="rounds of all engine variants, in alternation"
     )
@@ -587,19 +593,30 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = [resolve_dtype(d, "cpu") for d in args.dtype]
     dtype = dtypes[0]
     reqs = load_workload(args.workload, args.limit)
-    # prepacking applies to bf16 and fp32 (model.can_prepack): other dtypes run once
+    # prepacking applies to bf16 and fp32 (model.can_prepack), the fused ops to bf16
+    # (model.can_fuse): other combinations run once
     variants = [
-        (d, k, pk)
+        (d, k, pk, f)
         for d in dtypes
         for k in args.kernel
         for pk in args.prepack
-        if d in ("bfloat16", "float32") or pk == args.prepack[0]
+        for f in args.fused
+        if (d in ("bfloat16", "float32") or pk == args.prepack[0])
+        and (d == "bfloat16" or f == args.fused[0])
     ]
     runs: dict[tuple, list[dict]] = {v: [] for v in variants}
     for _ in range(args.repeat):  # alternating rounds: a shared machine's load hits all
-        for d, k, pk in variants:
-            runs[(d, k, pk)].append(
-                run_engine(reqs, d, args.max_batched_tokens, k == "on", pk == "on", args.model)
+        for d, k, pk, f in variants:
+            runs[(d, k, pk, f)].append(
+                run_engine(
+                    reqs,
+                    d,
+                    args.max_batched_tokens,
+                    k == "on",
+                    pk == "on",
+                    f == "on",
+                    args.model,
+                )
             )
     results = [_median_run(rs) for rs in runs.values()]
     eng = results[0]

@@ -22,6 +22,12 @@ decode shapes here (M = 8..48 rows; e.g. 32 x 576 @ 576 x 3072: 0.57 vs 1.49 ms,
 the 49152-wide LM head at 32 rows: 14 vs 25 ms; equal from M = 64 up). A tied LM
 head therefore gets its own transposed copy on CPU (vocab x hidden more memory);
 elsewhere it reuses the embedding through `F.linear`.
+
+In bf16 on the CPU the small ops run as fused C kernels (`cpu_ops.py`, switched by
+`use_fused_ops`): each residual add together with the RMSNorm after it (which is why
+a layer takes and returns both the residual stream and its normalized copy),
+SiLU-and-mul, and RoPE (with Qwen3's q/k norm) in place in the qkv output. They round
+where the torch ops round; fp32 always takes the torch ops.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.common.api.model_config import ModelSpec
+from pagedserve.common.core import cpu_ops
 from pagedserve.common.core.attention.base import AttentionBackend, AttentionMetadata
 from pagedserve.common.core.kv_cache import KVCache
 
@@ -145,6 +152,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def can_fuse(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the model's small ops run as the fused C kernels of `cpu_ops` (built on
+    first call; False where they cannot be built, see `cpu_ops.load`).
+
+    bf16 on the CPU only: there they replace several aten ops each (numbers in
+    cpu_ops.py) with the same roundings. fp32 keeps torch's ops, bit for bit what
+    transformers computes (its RMSNorm is already one fused op)."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and cpu_ops.load() is not None
+
+
+def add_rms_norm(
+    ops: ctypes.CDLL | None, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + y, rms_norm(x + y)): a residual add and the RMSNorm after it, in one pass
+    through the fused kernel when `ops` is given (then y's storage holds the sum)."""
+    if ops is not None:
+        return cpu_ops.add_rms_norm(ops, x, y, weight, eps)
+    x = x + y
+    return x, rms_norm(x, weight, eps)
+
+
+def _rms_norm(
+    ops: ctypes.CDLL | None, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`rms_norm`, through the fused kernel when `ops` is given."""
+    return rms_norm(x, weight, eps) if ops is None else cpu_ops.rms_norm(ops, x, weight, eps)
+
+
 # ---- rotary position embedding ---------------------------------------------------
 
 
@@ -234,21 +269,34 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [T, hidden]
+        x: torch.Tensor,  # [T, hidden]: the residual stream
+        h: torch.Tensor,  # [T, hidden]: x after this layer's input RMSNorm
         cos: torch.Tensor,  # [T, 1, d]
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+        next_norm: torch.Tensor,  # the next layer's input RMSNorm weight, or the final one
+        ops: ctypes.CDLL | None = None,  # the fused bf16 kernels (cpu_ops), or torch ops
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, h) for the next layer: the residual stream and its next RMSNorm.
+
+        Each residual add is done together with the RMSNorm that follows it (the
+        post-attention one, and the next layer's input norm or the final norm), so
+        that the fused kernel can make one pass for both."""
+        eps = self.spec.rms_norm_eps
+        attn = self._attention(h, cos, sin, kv_cache, meta, ops)
+        x, h = add_rms_norm(ops, x, attn, self.post_attention_layernorm, eps)
+        return add_rms_norm(ops, x, self._mlp(h, ops), next_norm, eps)
+
+    def _mlp(self, h: torch.Tensor, ops: ctypes.CDLL | None) -> torch.Tensor:
         s = self.spec
-        eps = s.rms_norm_eps
-        h = rms_norm(x, self.input_layernorm, eps)
-        x = x + self._attention(h, cos, sin, kv_cache, meta)
-        h = rms_norm(x, self.post_attention_layernorm, eps)
         gate_up = _mm(h, self.gate_up_proj, self.gate_up_bias, self.packed.get("gate_up_proj"))
-        gate, up = gate_up.split(s.intermediate_size, dim=-1)
-        act = F.silu(gate, inplace=True).mul_(up)  # in place: no [T, I] temporaries
-        return x + _mm(act, self.down_proj, self.down_bias, self.packed.get("down_proj"))
+        if ops is not None:
+            act = cpu_ops.silu_and_mul(ops, gate_up)  # contiguous: the down matmul copies none
+        else:
+            gate, up = gate_up.split(s.intermediate_size, dim=-1)
+            act = F.silu(gate, inplace=True).mul_(up)  # in place: no [T, I] temporaries
+        return _mm(act, self.down_proj, self.down_bias, self.packed.get("down_proj"))
 
     def _attention(
         self,
@@ -257,13 +305,21 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        ops: ctypes.CDLL | None = None,
     ) -> torch.Tensor:
         s = self.spec
         t = h.shape[0]
         qkv = _mm(h, self.qkv_proj, self.qkv_bias, self.packed.get("qkv_proj"))
         n_qk = s.num_q_heads + s.num_kv_heads
         v = qkv[:, s.q_size + s.kv_size :].view(t, s.num_kv_heads, s.head_dim)
-        if self.q_norm is None:
+        if ops is not None:
+            # In place in qkv (q/k rows stay strided, as v's already are): the fused
+            # kernel normalizes (Qwen3) and rotates each head in one pass.
+            qk = qkv[:, : s.q_size + s.kv_size].view(t, n_qk, s.head_dim)
+            q, k = qk.split((s.num_q_heads, s.num_kv_heads), dim=1)
+            cpu_ops.rope_(ops, q, cos, sin, self.q_norm, s.rms_norm_eps)
+            cpu_ops.rope_(ops, k, cos, sin, self.k_norm, s.rms_norm_eps)
+        elif self.q_norm is None:
             # RoPE over q and k heads at once: [T, H + kvh, d]
             qk = apply_rope(qkv[:, : s.q_size + s.kv_size].view(t, n_qk, s.head_dim), cos, sin)
             q, k = qk.split((s.num_q_heads, s.num_kv_heads), dim=1)
@@ -308,6 +364,8 @@ class PagedCausalLM(nn.Module):
         if not spec.tie_word_embeddings or device.type == "cpu":
             self.lm_head = _param(spec.hidden_size, spec.vocab_size, **p)
         self.lm_head_packed: torch.Tensor | None = None  # see `prepack_weights`
+        self.ops: ctypes.CDLL | None = None  # the fused bf16 kernels; see `use_fused_ops`
+        self.use_fused_ops()
         self.register_buffer("inv_freq", rope_inv_freq(spec).to(device), persistent=False)
 
     @property
@@ -325,9 +383,11 @@ class PagedCausalLM(nn.Module):
         self._check_inputs(input_ids, positions, kv_cache, meta)
         cos, sin = self._rope_tables(positions)
         x = F.embedding(input_ids, self.embed_tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin, kv_cache, meta)
-        return rms_norm(x, self.norm, self.spec.rms_norm_eps)
+        norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
+        h = _rms_norm(self.ops, x, norms[0], self.spec.rms_norm_eps)
+        for layer, next_norm in zip(self.layers, norms[1:], strict=True):
+            x, h = layer(x, h, cos, sin, kv_cache, meta, next_norm, self.ops)
+        return h
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -351,6 +411,20 @@ class PagedCausalLM(nn.Module):
         if enabled and self.lm_head is not None:
             self.lm_head_packed = pack_weight(self.lm_head)
         return enabled
+
+    def use_fused_ops(self, enabled: bool | None = None) -> bool:
+        """Run RMSNorm (with the residual add before it), SiLU-and-mul and RoPE through
+        the fused C kernels of `cpu_ops` (True) or torch's ops (False); None = where
+        `can_fuse` says so (bf16 on the CPU, the kernels built). True where they cannot
+        run is refused. Returns whether the fused kernels are in use."""
+        possible = can_fuse(self.dtype, self.device)
+        if enabled and not possible:
+            raise ValueError(
+                f"fused CPU ops need bf16 on the CPU and a built cpu_ops library "
+                f"(dtype {self.dtype}, device {self.device}; see the log for the build)"
+            )
+        self.ops = cpu_ops.load() if possible and enabled is not False else None
+        return self.ops is not None
 
     def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin: [T, 1, d] in the model dtype, computed like transformers (fp32)."""

@@ -20,7 +20,8 @@ FMAs on the even/odd halves; elsewhere plain C (see the C file).
 Build: `gcc -O3 -march=native -fopenmp -shared` (about a second), once per source
 text, compiler and CPU, into `$PAGEDSERVE_CACHE_DIR` (default
 `~/.cache/pagedserve`)/kernels/, written to a temporary name and renamed so that
-processes building at once never load a half-written file. Anything that fails
+processes building at once never load a half-written file (`cbuild.py`, shared
+with the fused bf16 ops of `cpu_ops.py`). Anything that fails
 (no compiler, a compile error, a load error, `PAGEDSERVE_CPU_KERNEL=0`) makes
 `load()` return None once and callers use the torch path: logged at INFO when
 disabled on purpose, at WARNING otherwise (the torch path is several times slower
@@ -36,18 +37,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from pagedserve.common.core.config import cpuinfo_flags
+from pagedserve.common.core import cbuild
+from pagedserve.common.core.cbuild import cache_dir  # noqa: F401 (this module's API)
 
 log = logging.getLogger(__name__)
 
@@ -62,34 +59,6 @@ _FLAGS = (
     "-shared",
 )
 _ENV_SWITCH = "PAGEDSERVE_CPU_KERNEL"
-
-
-def cache_dir() -> Path:
-    """Where built kernels live: $PAGEDSERVE_CACHE_DIR or ~/.cache/pagedserve, /kernels."""
-    root = os.environ.get("PAGEDSERVE_CACHE_DIR")
-    base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return (base if root else base / "pagedserve") / "kernels"
-
-
-def _cpu_signature() -> str:
-    """The CPU's feature flags (the build uses -march=native)."""
-    flags = cpuinfo_flags()
-    return " ".join(sorted(flags)) if flags else platform.processor() or platform.machine()
-
-
-def _build(cc: str, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        cmd = [cc, *_FLAGS, "-o", tmp, str(_SOURCE)]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if res.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -109,19 +78,7 @@ def load() -> ctypes.CDLL | None:
         log.info("CPU attention kernel disabled by %s=0", _ENV_SWITCH)
         return None
     try:
-        cc = shutil.which(os.environ.get("CC", "gcc"))
-        if cc is None:
-            raise RuntimeError("no C compiler (gcc, or $CC) on PATH")
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
-        key = hashlib.sha256(
-            "\0".join(
-                (_SOURCE.read_text(), " ".join(_FLAGS), version.stdout, _cpu_signature())
-            ).encode()
-        ).hexdigest()[:20]
-        path = cache_dir() / f"cpu_attention-{key}.so"
-        if not path.exists():
-            _build(cc, path)
-        return bind(ctypes.CDLL(str(path)))
+        return bind(cbuild.build_and_load(_SOURCE, _FLAGS))
     except Exception as e:  # any failure means: use the torch path
         log.warning(
             "CPU attention kernel unavailable (%s): using torch attention, which is slower; "

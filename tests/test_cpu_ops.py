@@ -1,0 +1,311 @@
+"""The fused bf16 CPU ops (common/core/cpu_ops.c) against the torch formulas they replace.
+
+Each kernel is run on random bf16 inputs (no zeros) of several shapes: rows of 1 and
+many, widths that are and are not multiples of 16 (the AVX-512 path's masked tail),
+strided rows where the model passes views; the built-for-this-CPU library and the
+plain C fallback (built here with AVX-512 withheld) both.
+
+Tolerances. SiLU-and-mul, the residual add and RoPE round where torch rounds and
+compute the same fp32 operations: bit-identical (SiLU's exp is a polynomial, not
+torch's Sleef exp, but agreed on every value tried: 6M random ones and the
+extremes). RMSNorm sums its squares in another order than torch, so the fp32 mean
+may differ in its last bit, and a normalized value lying next to a bf16 rounding
+boundary then rounds the other way: one bf16 step before the bf16 multiply by the
+weight, which can carry it to two. (The kernel sums in double, so its mean is as
+close to exact as fp32 holds and the differences are torch's own rounding.)
+Measured on 6M elements per op here: 11 (rms_norm) and 10 (add + rms_norm)
+differing elements, none by more than two steps, the same with the plain C path. The bound: at most 1 element in 20,000 (+2, for small shapes) differs, by at
+most 2 steps (`_assert_near_bitwise`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import shutil
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+from builders import one_torch_thread, tiny_checkpoint  # noqa: F401 (autouse fixture)
+
+from pagedserve.common.core import cpu_ops
+from pagedserve.common.core.loader import load_model
+from pagedserve.common.core.model import apply_rope, rms_norm
+
+LIB = cpu_ops.load()
+needs_lib = pytest.mark.skipif(LIB is None, reason="the fused CPU ops did not build here")
+
+RMS_SHAPES = [(1, 576), (7, 17), (64, 576), (33, 100), (5, 2048), (3, 1), (300, 577)]
+SILU_SHAPES = [(1, 1536), (8, 1536), (64, 1536), (9, 37), (3, 1), (130, 1000)]
+# (tokens, heads, head_dim): half head sizes 32, 5, 17 (masked tail), 64, 8
+ROPE_SHAPES = [(1, 12, 64), (9, 3, 10), (64, 12, 64), (5, 2, 34), (17, 4, 128), (3, 9, 16)]
+MAX_STEPS = 2
+MAX_SHARE = 1 / 20000
+
+
+def _rand(g: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    """Random bf16 values, none of them zero."""
+    x = torch.randn(*shape, generator=g) * scale
+    x = torch.where(x.abs() < 1e-3, torch.full_like(x, 0.5), x)
+    return x.bfloat16()
+
+
+def _steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 values apart each pair is (for values of equal sign)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+def _assert_bitwise(got: torch.Tensor, ref: torch.Tensor) -> None:
+    assert got.dtype == ref.dtype == torch.bfloat16 and got.shape == ref.shape
+    n = int((_steps(got, ref) > 0).sum())
+    assert n == 0, f"{n} of {ref.numel()} elements differ"
+
+
+def _assert_near_bitwise(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """RMSNorm's tolerance (see the module docstring)."""
+    assert got.dtype == ref.dtype == torch.bfloat16 and got.shape == ref.shape
+    steps = _steps(got, ref)
+    n = int((steps > 0).sum())
+    assert int(steps.max()) <= MAX_STEPS, f"an element is {int(steps.max())} bf16 steps off"
+    assert n <= ref.numel() * MAX_SHARE + 2, f"{n} of {ref.numel()} elements differ"
+
+
+@pytest.fixture(params=["native", "plain-c"])
+def lib(request, tmp_path) -> ctypes.CDLL:
+    """The library as built for this CPU, and the plain C fallback that CPUs without
+    AVX-512 (F, BW, VL) get, built here with those withheld."""
+    if request.param == "native":
+        if LIB is None:
+            pytest.skip("the fused CPU ops did not build here")
+        return LIB
+    if platform.machine() != "x86_64" or shutil.which("gcc") is None:
+        pytest.skip("needs gcc on x86_64")
+    flags = [f for f in cpu_ops._FLAGS if not f.startswith("-march=")]
+    out = tmp_path / "ops.so"
+    cmd = ["gcc", *flags, "-march=x86-64-v2", "-o", str(out), str(cpu_ops._SOURCE)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    return cpu_ops.bind(ctypes.CDLL(str(out)))
+
+
+@pytest.mark.parametrize("shape", RMS_SHAPES, ids=str)
+def test_rms_norm_matches_torch(lib, shape):
+    g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    t, n = shape
+    w = _rand(g, n)
+    x = _rand(g, t, n + 5, scale=3.0)[:, 2 : n + 2]  # strided rows
+    _assert_near_bitwise(cpu_ops.rms_norm(lib, x, w, 1e-5), rms_norm(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("shape", RMS_SHAPES, ids=str)
+def test_add_rms_norm_matches_torch_and_writes_the_sum_over_y(lib, shape):
+    g = torch.Generator().manual_seed(shape[0] * 5 + shape[1])
+    t, n = shape
+    x, y, w = _rand(g, t, n, scale=4.0), _rand(g, t, n), _rand(g, n)
+    x_before = x.clone()
+    ref_sum = x + y
+    s, h = cpu_ops.add_rms_norm(lib, x, y, w, 1e-6)
+    assert s.data_ptr() == y.data_ptr()  # in place over the layer output
+    assert torch.equal(x, x_before)  # the residual input is left alone
+    _assert_bitwise(s, ref_sum)
+    _assert_near_bitwise(h, rms_norm(ref_sum, w, 1e-6))
+
+
+@pytest.mark.parametrize("shape", SILU_SHAPES, ids=str)
+def test_silu_and_mul_matches_torch(lib, shape):
+    g = torch.Generator().manual_seed(shape[0] + shape[1])
+    t, i = shape
+    gate_up = _rand(g, t, 2 * i + 3, scale=4.0)[:, : 2 * i]  # strided rows
+    gate, up = gate_up.clone().split(i, dim=-1)
+    ref = F.silu(gate, inplace=True).mul_(up)  # the model's torch path
+    got = cpu_ops.silu_and_mul(lib, gate_up)
+    assert got.is_contiguous()
+    _assert_bitwise(got, ref)
+
+
+def test_silu_and_mul_extremes_match_torch(lib):
+    """exp overflow and underflow, infinities and NaN: the same values as torch
+    (a NaN where torch has one, whatever its bits)."""
+    vals = [-200.0, -100.0, -89.0, -88.5, -88.0, -87.0, -50.0, -20.0, -1e-30, 1e-30, 5.0]
+    vals += [88.0, 90.0, 200.0, float("inf"), -float("inf"), float("nan")]
+    gate = torch.tensor(vals).bfloat16()
+    up = torch.full_like(gate, 1.5)
+    got = cpu_ops.silu_and_mul(lib, torch.cat([gate, up]).view(1, -1))[0]
+    ref = F.silu(gate).mul(up)
+    assert torch.equal(got.isnan(), ref.isnan())
+    keep = ~ref.isnan()
+    _assert_bitwise(got[keep], ref[keep])
+
+
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=str)
+def test_rope_in_place_matches_apply_rope(lib, shape):
+    """On q and k heads as the model passes them: views into the qkv matmul's output
+    (strided rows), cos/sin [T, 1, D] (random here: both halves read)."""
+    g = torch.Generator().manual_seed(sum(shape))
+    t, heads, d = shape
+    qkv = _rand(g, t, (heads + 2) * d)
+    x = qkv[:, : heads * d].view(t, heads, d)
+    cos, sin = _rand(g, t, 1, d), _rand(g, t, 1, d)
+    ref = apply_rope(x.clone(), cos, sin)
+    rest = qkv[:, heads * d :].clone()
+    assert cpu_ops.rope_(lib, x, cos, sin) is x
+    _assert_bitwise(x, ref)
+    assert torch.equal(qkv[:, heads * d :], rest)  # v is not touched
+
+
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=str)
+def test_rope_with_head_norm_is_rms_norm_then_apply_rope(lib, shape):
+    """Qwen3's q/k norm: each head rms-normalized (RMSNorm's tolerance against torch),
+    then rotated: bit for bit apply_rope of the kernel's own normalized heads (a
+    one-step difference of a normalized value can grow to many steps of a rotated one
+    where the two products nearly cancel, so the whole is not compared by steps)."""
+    g = torch.Generator().manual_seed(sum(shape) + 1)
+    t, heads, d = shape
+    x, w = _rand(g, t, heads, d, scale=2.0), _rand(g, d)
+    cos, sin = _rand(g, t, 1, d), _rand(g, t, 1, d)
+    normed = cpu_ops.rms_norm(lib, x.view(t * heads, d), w, 1e-6).view(t, heads, d)
+    _assert_near_bitwise(normed, rms_norm(x, w, 1e-6))
+    _assert_bitwise(cpu_ops.rope_(lib, x.clone(), cos, sin, w, 1e-6), apply_rope(normed, cos, sin))
+
+
+@needs_lib
+@pytest.mark.parametrize("threads", [1, 2])
+def test_thread_count_does_not_change_results(threads):
+    g = torch.Generator().manual_seed(9)
+    x, y, w = _rand(g, 300, 576), _rand(g, 300, 576), _rand(g, 576)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    one = cpu_ops.add_rms_norm(LIB, x, y.clone(), w, 1e-6)[1]
+    torch.set_num_threads(threads)
+    try:
+        assert torch.equal(cpu_ops.add_rms_norm(LIB, x, y.clone(), w, 1e-6)[1], one)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_lib
+def test_bad_layouts_and_dtypes_are_refused():
+    x = torch.randn(4, 32).bfloat16()
+    w = torch.randn(32).bfloat16()
+    with pytest.raises(ValueError, match="bf16 CPU tensors only"):
+        cpu_ops.rms_norm(LIB, x.float(), w, 1e-6)
+    with pytest.raises(ValueError, match=r"expected \[rows, 32\]"):
+        cpu_ops.rms_norm(LIB, x.t().contiguous().t(), w, 1e-6)  # column-major
+    with pytest.raises(ValueError, match="must be contiguous"):
+        cpu_ops.add_rms_norm(LIB, x, torch.randn(4, 64).bfloat16()[:, :32], w, 1e-6)
+    with pytest.raises(ValueError, match=r"expected \[T, 2I\]"):
+        cpu_ops.silu_and_mul(LIB, torch.randn(4, 33).bfloat16())
+    with pytest.raises(ValueError, match="even D"):
+        cpu_ops.rope_(LIB, torch.randn(2, 3, 7).bfloat16(), x, x)
+
+
+# ---- the model ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_load(monkeypatch, tmp_path):
+    """`cpu_ops.load` with its memo cleared and the build cache in tmp_path."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    cpu_ops.load.cache_clear()
+    yield tmp_path
+    cpu_ops.load.cache_clear()
+
+
+def test_disabled_or_unbuildable_ops_fall_back_to_torch(fresh_load, monkeypatch, caplog):
+    path = str(tiny_checkpoint("llama"))
+    monkeypatch.setenv("PAGEDSERVE_CPU_OPS", "0")
+    with caplog.at_level("INFO", logger=cpu_ops.__name__):
+        model = load_model(path, dtype=torch.bfloat16).model
+    assert model.ops is None
+    assert [r.levelname for r in caplog.records] == ["INFO"]  # chosen: said quietly
+    with pytest.raises(ValueError, match="fused CPU ops need bf16 on the CPU"):
+        model.use_fused_ops(True)
+    cpu_ops.load.cache_clear()
+    caplog.clear()
+    monkeypatch.delenv("PAGEDSERVE_CPU_OPS")
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level("INFO", logger=cpu_ops.__name__):
+        assert load_model(path, dtype=torch.bfloat16).model.ops is None
+    (record,) = caplog.records  # not chosen: loud, with what to install
+    assert record.levelname == "WARNING" and "apt-get install gcc" in record.getMessage()
+    assert list(fresh_load.rglob("*.so")) == []
+
+
+@needs_lib
+def test_fp32_keeps_torch_ops():
+    model = load_model(str(tiny_checkpoint("llama")), dtype=torch.float32).model
+    assert model.ops is None and model.use_fused_ops() is False
+    with pytest.raises(ValueError, match="dtype torch.float32"):
+        model.use_fused_ops(True)
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """How often the model called each fused op."""
+    calls: dict[str, int] = {}
+    for name in ("rms_norm", "add_rms_norm", "silu_and_mul", "rope_"):
+        real = getattr(cpu_ops, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(cpu_ops, name, spy)
+    return calls
+
+
+# The engine in bf16, fused ops on against off. The ops agree bit for bit but for
+# RMSNorm's rare one- or two-step differences, which pass through the layers into
+# bf16 logits (steps of 2^-4 nats between 8 and 16): the bound is two such steps,
+# as for the attention kernel (tests/test_cpu_attention_kernel.py); a wrong op
+# moves logprobs by nats. Where the torch path's top two are closer than
+# NEAR_TIE_NATS the greedy pick may go either way: that sequence's comparison
+# stops at the first divergence.
+ENGINE_LOGPROB_TOL = 0.125
+NEAR_TIE_NATS = 0.1
+
+
+def _greedy(llm, prompts, max_tokens=16):
+    from pagedserve.common.api.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    return [o.completions[0] for o in llm.generate(prompts, params)]
+
+
+@needs_lib
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q/k norm fused into RoPE
+def test_bf16_engine_with_fused_ops_matches_torch_ops(arch, op_calls):
+    from pagedserve.common.core.llm import LLM
+
+    llm = LLM(str(tiny_checkpoint(arch)), dtype="bfloat16", num_blocks=128)
+    model = llm.engine.model
+    assert model.ops is not None
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 23, 40, 70)]
+    fused = _greedy(llm, prompts)
+    layers = len(model.layers)
+    steps = op_calls["rms_norm"]  # one per forward: the first layer's input norm
+    assert steps >= 16
+    assert op_calls == {
+        "rms_norm": steps,
+        "add_rms_norm": 2 * layers * steps,
+        "silu_and_mul": layers * steps,
+        "rope_": 2 * layers * steps,
+    }
+    op_calls.clear()
+    assert model.use_fused_ops(False) is False
+    llm.engine.block_manager.evict()  # no prefix-cache hits from the first run
+    torch_ops = _greedy(llm, prompts)
+    assert op_calls == {}
+    compared = 0
+    for a, b in zip(fused, torch_ops, strict=True):
+        for ta, tb, la, lb in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=True):
+            top = [lp for _, lp in lb.top]
+            if ta != tb:
+                assert top[0] - top[1] < NEAR_TIE_NATS, f"{a.token_ids} vs {b.token_ids}"
+                break
+            assert abs(la.logprob - lb.logprob) <= ENGINE_LOGPROB_TOL
+            compared += 1
+    assert compared >= 2 * 16
+    assert model.use_fused_ops() is True

@@ -159,9 +159,9 @@ def _with_settings(step: Callable[[], None], model, kernel: bool, prepack: bool,
 
 def _settings(args, dtype: str) -> list[tuple[str, str, str]]:
     """(kernel, prepack, fused) asked for: every combination of --kernel, --prepack and
-    --fused (prepacking and fused ops apply to bf16 only, model.can_prepack and
-    model.can_fuse: other dtypes take the first value)."""
-    prepack = args.prepack if dtype == "bf16" else args.prepack[:1]
+    --fused (prepacking applies to bf16 and fp32, model.can_prepack; the fused ops to
+    bf16 only, model.can_fuse: other dtypes take the first value)."""
+    prepack = args.prepack if dtype in ("bf16", "fp32") else args.prepack[:1]
     fused = args.fused if dtype == "bf16" else args.fused[:1]
     return [(k, pk, f) for k in args.kernel for pk in prepack for f in fused]
 
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-baseline", action="store_true", help="skip transformers")
     add_on_off(ap, "--kernel", "C attention kernel where it fits (off: the torch path)")
-    add_on_off(ap, "--prepack", "oneDNN-prepacked weights (bf16 on CPU, model.can_prepack)")
+    add_on_off(ap, "--prepack", "oneDNN-prepacked weights (bf16/fp32 on CPU, model.can_prepack)")
     add_on_off(ap, "--fused", "fused C kernels of the small ops (bf16 on CPU, model.can_fuse)")
     ap.add_argument("--profile", action="store_true", help="per-op breakdown instead")
     ap.add_argument("--prefill-len", type=int, default=512, help="--profile's prefill step")

@@ -40,10 +40,11 @@
  * Work items are handed to threads one at a time (an atomic counter): a row, or,
  * in bf16 calls of fewer than SPLIT_ROWS_BELOW rows, a 256-token chunk of a row,
  * the chunks merged by their softmax maxima and sums afterwards (batch-1 decode
- * uses every thread; see SPLIT_ROWS_BELOW). bf16 rows prefetch their K/V tiles
- * ahead and the next item's first K tile (see prefetch_tile): decode reads K/V
- * from memory, scattered by the block table. fp32 has neither: it stays
- * bit-identical to what the tests compare with transformers. Only the OpenMP
+ * uses every thread; see SPLIT_ROWS_BELOW). Rows prefetch their K/V tiles ahead
+ * (see prefetch_tile; bf16 also the next item's first K tile): decode reads K/V
+ * from memory, scattered by the block table. fp32 rows are never split, and
+ * prefetching moves no arithmetic, so fp32 results are bit-identical to what the
+ * tests compare with transformers (and to before). Only the OpenMP
  * runtime's parallel region is used, with the caller's thread count (torch's),
  * so it runs on torch's own OpenMP threads.
  *
@@ -287,14 +288,18 @@ static inline void prefetch_row_start(const void *k_cache, size_t elem, const in
 static inline __attribute__((always_inline)) void one_row_avx512_impl(
     const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
     int64_t L, int64_t H, int64_t KVH, int64_t BS, float scale, float *out, float *s,
-    float *acc, float *inv, int64_t *off, const int64_t C) {
+    float *acc, float *inv, int64_t *off, int pf, const int64_t C) {
     const int64_t D = 16 * C, G = H / KVH, row = KVH * D;
     const int64_t Lp = (L + 15) & ~(int64_t)15;
+    const int v_ahead = pf && L * row * 4 <= V_PREFETCH_MAX_BYTES;
     token_offsets(table, L, Lp, BS, row, off);
 
-    /* 1. scores s [H, Lp], 16 tokens at a time */
+    /* 1. scores s [H, Lp], 16 tokens at a time (prefetching: see prefetch_tile) */
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < Lp; t0 += 16) {
+        if (pf && t0 + 16 < Lp)
+            prefetch_tile(k_cache, 4, off + t0 + 16, row * 4, _MM_HINT_T1);
+        if (v_ahead) prefetch_tile(v_cache, 4, off + t0, row * 4, _MM_HINT_T1);
         for (int64_t kh = 0; kh < KVH; ++kh) {
             for (int64_t g = 0; g < G; ++g) {
                 const float *qh = q + (kh * G + g) * D;
@@ -319,6 +324,8 @@ static inline __attribute__((always_inline)) void one_row_avx512_impl(
     /* 3. weighted V: acc [H, D] (padding rows have weight 0) */
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
     for (int64_t t0 = 0; t0 < Lp; t0 += 16) {
+        if (pf && t0 + 16 < Lp)
+            prefetch_tile(v_cache, 4, off + t0 + 16, row * 4, _MM_HINT_T0);
         for (int64_t kh = 0; kh < KVH; ++kh) {
             for (int64_t g = 0; g < G; ++g) {
                 const int64_t h = kh * G + g;
@@ -475,7 +482,8 @@ static int64_t scratch_head_floats(int64_t H, int64_t D, int64_t Lp) {
 
 static void one_row(const float *q, const float *k_cache, const float *v_cache,
                          const int32_t *table, int64_t L, int64_t H, int64_t KVH, int64_t D,
-                         int64_t BS, float scale, float *out, float *scratch, int64_t Lp_max) {
+                         int64_t BS, float scale, float *out, float *scratch, int64_t Lp_max,
+                         int pf) {
     float *s = scratch;
     float *acc = s + H * Lp_max;
     float *inv = acc + H * D;
@@ -483,7 +491,7 @@ static void one_row(const float *q, const float *k_cache, const float *v_cache,
 #ifdef __AVX512F__
 #define AVX512_CASE(C)                                                                      \
     one_row_avx512_impl(q, k_cache, v_cache, table, L, H, KVH, BS, scale, out, s, acc, \
-                             inv, off, C);                                                  \
+                             inv, off, pf, C);                                              \
     return;
     switch (D) {
     case 16: AVX512_CASE(1)
@@ -494,7 +502,7 @@ static void one_row(const float *q, const float *k_cache, const float *v_cache,
     }
 #undef AVX512_CASE
 #endif
-    (void)off;
+    (void)off, (void)pf;
     one_row_generic(q, k_cache, v_cache, table, L, H, KVH, D, BS, scale, out, s, acc, inv);
 }
 
@@ -677,11 +685,11 @@ static int attend(int bf16, const void *q, int64_t q_stride, const void *k_cache
                                  it.part < 0 ? NULL : parts + it.part * part_floats,
                                  it.table != prev,
                                  nx.len > 0 && nx.table != it.table ? nx.table : NULL, nx.len);
-                    prev = it.table;
                 } else
                     one_row((const float *)q + r * q_stride, k_cache, v_cache, it.table,
                             it.len, H, KVH, D, BS, scale, (float *)out + r * out_stride, s,
-                            Lp_max);
+                            Lp_max, it.table != prev);
+                prev = it.table;
             }
             __atomic_fetch_add(&done, 1, __ATOMIC_RELAXED);
             i = ni;

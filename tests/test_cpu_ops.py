@@ -309,3 +309,26 @@ def test_bf16_engine_with_fused_ops_matches_torch_ops(arch, op_calls):
             compared += 1
     assert compared >= 2 * 16
     assert model.use_fused_ops() is True
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
+def test_a_shared_header_is_part_of_the_build_key(monkeypatch, tmp_path):
+    """Both C sources include ../bf16.h; a change in a header must rebuild every
+    library that includes it, not load the one built from the old header."""
+    from pagedserve.common.core import cbuild
+    from pagedserve.common.core.attention import cpu_kernel
+
+    assert cbuild.local_includes(cpu_kernel._SOURCE) == [cpu_kernel._SOURCE.parent / "../bf16.h"]
+    assert cbuild.local_includes(cpu_ops._SOURCE) == [cpu_ops._SOURCE.parent / "bf16.h"]
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "src" / "lib.c"
+    src.parent.mkdir()
+    src.write_text('#include "value.h"\nint value(void) { return VALUE; }\n')
+    flags = ("-O1", "-fPIC", "-shared")
+    values = []
+    for v in (1, 2, 1):
+        (src.parent / "value.h").write_text(f"#define VALUE {v}\n")
+        lib = cbuild.build_and_load(src, flags)
+        values.append(lib.value())
+    assert values == [1, 2, 1]
+    assert len(list((tmp_path / "cache").rglob("lib-*.so"))) == 2  # the third: from cache

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -53,6 +55,46 @@ def compile_library(cc: str, source: Path, flags: Sequence[str], out: Path) -> N
             os.unlink(tmp)
 
 
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def local_includes(source: Path) -> list[Path]:
+    """The files `source` includes with `#include "..."` (relative to its folder, as
+    gcc finds them), so that a change in a shared header rebuilds every library
+    that uses it. One level deep: the package's headers include only system ones."""
+    return [source.parent / name for name in _LOCAL_INCLUDE.findall(source.read_text())]
+
+
+def load_or_none(
+    source: Path,
+    flags: Sequence[str],
+    env_switch: str,
+    what: str,
+    fallback: str,
+    log: logging.Logger,
+) -> ctypes.CDLL | None:
+    """`build_and_load`, or None when `env_switch`=0 (logged at INFO) or anything fails
+    (logged at WARNING on the caller's `log`, naming `what` is lost and the `fallback`
+    used instead: the fallback is slower, so a machine without gcc must not lose the
+    library silently)."""
+    if os.environ.get(env_switch, "1") == "0":
+        log.info("%s disabled by %s=0", what, env_switch)
+        return None
+    try:
+        return build_and_load(source, flags)
+    except Exception as e:  # any failure means: use the fallback
+        log.warning(
+            "%s unavailable (%s): using %s, which is slower; install a C compiler "
+            "(Debian/Ubuntu: apt-get install gcc) to build it, or set %s=0 to choose "
+            "that quietly",
+            what,
+            e,
+            fallback,
+            env_switch,
+        )
+        return None
+
+
 def build_and_load(source: Path, flags: Sequence[str]) -> ctypes.CDLL:
     """The library built from `source` with `flags` (from the cache when built
     before), loaded. Raises RuntimeError when there is no compiler or the build
@@ -61,8 +103,9 @@ def build_and_load(source: Path, flags: Sequence[str]) -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError("no C compiler (gcc, or $CC) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    texts = [source.read_text(), *(h.read_text() for h in local_includes(source))]
     key = hashlib.sha256(
-        "\0".join((source.read_text(), " ".join(flags), version.stdout, cpu_signature())).encode()
+        "\0".join((*texts, " ".join(flags), version.stdout, cpu_signature())).encode()
     ).hexdigest()[:20]
     path = cache_dir() / f"{source.stem}-{key}.so"
     if not path.exists():

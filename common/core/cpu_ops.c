@@ -55,19 +55,8 @@ static inline int threads_for(int64_t rows, int64_t elems_per_row, int num_threa
 
 /* ---- scalar bf16 <-> fp32 ----------------------------------------------------------- */
 
-static inline float bf16_to_f32(uint16_t x) {
-    const uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
+/* bf16_to_f32, f32_to_bf16 */
+#include "bf16.h"
 
 /* f rounded to bf16, as fp32 */
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }

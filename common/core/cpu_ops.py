@@ -50,7 +50,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -92,20 +91,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The built library, or None (logged once) when it cannot be had here."""
-    if os.environ.get(_ENV_SWITCH, "1") == "0":
-        log.info("fused bf16 CPU ops disabled by %s=0", _ENV_SWITCH)
-        return None
-    try:
-        return bind(cbuild.build_and_load(_SOURCE, _FLAGS))
-    except Exception as e:  # any failure means: use the torch ops
-        log.warning(
-            "fused bf16 CPU ops unavailable (%s): using torch's ops, which are slower in "
-            "bf16; install a C compiler (Debian/Ubuntu: apt-get install gcc) to build them, "
-            "or set %s=0 to choose the torch ops quietly",
-            e,
-            _ENV_SWITCH,
-        )
-        return None
+    lib = cbuild.load_or_none(
+        _SOURCE, _FLAGS, _ENV_SWITCH, "fused bf16 CPU ops", "torch's ops (slower in bf16)", log
+    )
+    return None if lib is None else bind(lib)
 
 
 def _check_rows(name: str, t: torch.Tensor, width: int) -> None:

@@ -80,21 +80,8 @@ static inline float exp_nonpos(float x) {
     return p * two_n;
 }
 
-/* bf16 <-> fp32: a bf16 is the high half of an fp32. Rounding to nearest even;
- * a NaN stays a NaN (its quiet bit is in the kept half). */
-static inline float bf16_to_f32(uint16_t x) {
-    const uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
+/* bf16 <-> fp32 (bf16_to_f32, f32_to_bf16): rounding to nearest even */
+#include "../bf16.h"
 
 #define LD_F32(x) (x)
 #define ST_F32(x) (x)

@@ -38,7 +38,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -74,20 +73,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The built kernel library, or None (logged once) when it cannot be had here."""
-    if os.environ.get(_ENV_SWITCH, "1") == "0":
-        log.info("CPU attention kernel disabled by %s=0", _ENV_SWITCH)
-        return None
-    try:
-        return bind(cbuild.build_and_load(_SOURCE, _FLAGS))
-    except Exception as e:  # any failure means: use the torch path
-        log.warning(
-            "CPU attention kernel unavailable (%s): using torch attention, which is slower; "
-            "install a C compiler (Debian/Ubuntu: apt-get install gcc) to build it, or set "
-            "%s=0 to choose the torch path quietly",
-            e,
-            _ENV_SWITCH,
-        )
-        return None
+    lib = cbuild.load_or_none(
+        _SOURCE, _FLAGS, _ENV_SWITCH, "CPU attention kernel", "torch attention", log
+    )
+    return None if lib is None else bind(lib)
 
 
 # The kernel's entry point per element type (q, caches and out share it).

@@ -19,6 +19,7 @@ then decode tokens.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import random
 import shutil
@@ -365,3 +366,16 @@ def make_metadata(
         query_lens_cpu=list(q_lens),
         seq_lens_cpu=list(seq_lens),
     )
+
+
+@contextlib.contextmanager
+def fresh_library(load, monkeypatch, cache_dir):
+    """A compiled library's `load` (a functools.cache'd loader: cpu_kernel.load,
+    cpu_ops.load) with its memo cleared and the build cache in `cache_dir`, for a
+    test that builds, disables or breaks it; the memo is cleared again after."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(cache_dir))
+    load.cache_clear()
+    try:
+        yield cache_dir
+    finally:
+        load.cache_clear()

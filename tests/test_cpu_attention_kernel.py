@@ -29,7 +29,7 @@ import threading
 
 import pytest
 import torch
-from builders import make_metadata, one_torch_thread  # noqa: F401 (autouse fixture)
+from builders import fresh_library, make_metadata, one_torch_thread  # noqa: F401 (autouse fixture)
 
 from pagedserve.common.core.attention import cpu_kernel, torch_backend
 from pagedserve.common.core.attention.base import write_kv
@@ -229,11 +229,8 @@ def test_fits_rejects_what_the_kernel_cannot_read():
 
 @pytest.fixture
 def fresh_load(monkeypatch, tmp_path):
-    """`cpu_kernel.load` with its memo cleared and the build cache in tmp_path."""
-    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
-    cpu_kernel.load.cache_clear()
-    yield tmp_path
-    cpu_kernel.load.cache_clear()
+    with fresh_library(cpu_kernel.load, monkeypatch, tmp_path) as cache_dir:
+        yield cache_dir
 
 
 def test_disabled_or_unbuildable_kernel_falls_back_to_torch(fresh_load, monkeypatch, caplog):

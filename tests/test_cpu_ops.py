@@ -28,7 +28,7 @@ import subprocess
 import pytest
 import torch
 import torch.nn.functional as F
-from builders import one_torch_thread, tiny_checkpoint  # noqa: F401 (autouse fixture)
+from builders import fresh_library, one_torch_thread, tiny_checkpoint  # noqa: F401 (autouse fixture)
 
 from pagedserve.common.core import cpu_ops
 from pagedserve.common.core.loader import load_model
@@ -205,11 +205,8 @@ def test_bad_layouts_and_dtypes_are_refused():
 
 @pytest.fixture
 def fresh_load(monkeypatch, tmp_path):
-    """`cpu_ops.load` with its memo cleared and the build cache in tmp_path."""
-    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
-    cpu_ops.load.cache_clear()
-    yield tmp_path
-    cpu_ops.load.cache_clear()
+    with fresh_library(cpu_ops.load, monkeypatch, tmp_path) as cache_dir:
+        yield cache_dir
 
 
 def test_disabled_or_unbuildable_ops_fall_back_to_torch(fresh_load, monkeypatch, caplog):

@@ -379,3 +379,21 @@ def fresh_library(load, monkeypatch, cache_dir):
         yield cache_dir
     finally:
         load.cache_clear()
+
+
+def bf16_paths_agree(outs, ref_outs, near_tie: float, tol: float) -> int:
+    """Two bf16 runs' greedy outputs (`RequestOutput`s with logprobs, same prompts) token
+    by token: each chosen token's logprob within `tol` of the reference's; where the
+    tokens differ, the reference's top two must be closer than `near_tie` (a near-tie
+    may go either way) and that sequence's comparison stops. Returns how many tokens
+    were compared, for the caller to bound from below."""
+    compared = 0
+    for a, b in zip(outs, ref_outs, strict=True):
+        for ta, tb, la, lb in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=True):
+            top = [lp for _, lp in lb.top]
+            if ta != tb:
+                assert top[0] - top[1] < near_tie, f"{a.token_ids} vs {b.token_ids}"
+                break
+            assert abs(la.logprob - lb.logprob) <= tol
+            compared += 1
+    return compared

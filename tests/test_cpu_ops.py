@@ -28,7 +28,7 @@ import subprocess
 import pytest
 import torch
 import torch.nn.functional as F
-from builders import fresh_library, one_torch_thread, tiny_checkpoint  # noqa: F401 (autouse fixture)
+from builders import bf16_paths_agree, fresh_library, one_torch_thread, tiny_checkpoint  # noqa: F401 (autouse fixture)
 
 from pagedserve.common.core import cpu_ops
 from pagedserve.common.core.loader import load_model
@@ -295,15 +295,7 @@ def test_bf16_engine_with_fused_ops_matches_torch_ops(arch, op_calls):
     llm.engine.block_manager.evict()  # no prefix-cache hits from the first run
     torch_ops = _greedy(llm, prompts)
     assert op_calls == {}
-    compared = 0
-    for a, b in zip(fused, torch_ops, strict=True):
-        for ta, tb, la, lb in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=True):
-            top = [lp for _, lp in lb.top]
-            if ta != tb:
-                assert top[0] - top[1] < NEAR_TIE_NATS, f"{a.token_ids} vs {b.token_ids}"
-                break
-            assert abs(la.logprob - lb.logprob) <= ENGINE_LOGPROB_TOL
-            compared += 1
+    compared = bf16_paths_agree(fused, torch_ops, NEAR_TIE_NATS, ENGINE_LOGPROB_TOL)
     assert compared >= 2 * 16
     assert model.use_fused_ops() is True
 

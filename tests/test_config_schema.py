@@ -291,7 +291,8 @@ def test_readme_flags_parse():
         client |= _subparser_flags(sub)
     for sub in ("status", "scale"):
         client |= {o for a in admin_cli.build_parser(sub)._actions for o in a.option_strings}
-    other = {"--head", "--json", "--profile", "--api"}  # ray start --head; benchmarks' flags
+    # ray start --head; benchmarks' flags
+    other = {"--head", "--json", "--profile", "--api", "--vllm-python"}
     # `vllm bench serve` against the HTTP API (vLLM's own flags)
     other |= {"--backend", "--base-url", "--endpoint", "--tokenizer", "--dataset-name"}
     other |= {"--num-prompts"}

@@ -302,13 +302,21 @@ def test_bf16_engine_with_fused_ops_matches_torch_ops(arch, op_calls):
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
 def test_a_shared_header_is_part_of_the_build_key(monkeypatch, tmp_path):
-    """Both C sources include ../bf16.h; a change in a header must rebuild every
-    library that includes it, not load the one built from the old header."""
+    """Both C sources include bf16.h and avx512_exp.h from common/core; a change in a
+    header must rebuild every library that includes it, not load the one built from
+    the old header."""
     from pagedserve.common.core import cbuild
     from pagedserve.common.core.attention import cpu_kernel
 
-    assert cbuild.local_includes(cpu_kernel._SOURCE) == [cpu_kernel._SOURCE.parent / "../bf16.h"]
-    assert cbuild.local_includes(cpu_ops._SOURCE) == [cpu_ops._SOURCE.parent / "bf16.h"]
+    attention_dir = cpu_kernel._SOURCE.parent
+    assert cbuild.local_includes(cpu_kernel._SOURCE) == [
+        attention_dir / "../bf16.h",
+        attention_dir / "../avx512_exp.h",
+    ]
+    assert cbuild.local_includes(cpu_ops._SOURCE) == [
+        cpu_ops._SOURCE.parent / "avx512_exp.h",
+        cpu_ops._SOURCE.parent / "bf16.h",
+    ]
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     src = tmp_path / "src" / "lib.c"
     src.parent.mkdir()

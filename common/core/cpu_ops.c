@@ -38,6 +38,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define OPS_AVX512 1
 #include <immintrin.h>
+
+#include "avx512_exp.h" /* exp512_reduced */
 #else
 #define OPS_AVX512 0
 #endif
@@ -143,17 +145,7 @@ static inline __m512 exp_v(__m512 z) {
     z = _mm512_min_ps(_mm512_max_ps(z, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(89.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(z, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), z);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    const __m512 r2 = _mm512_mul_ps(r, r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+    return exp512_reduced(z, n);
 }
 
 static void silu_mul_row(const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t n) {

@@ -23,7 +23,11 @@ division, which torch computes the same way.) Per forward that is about 3 ms of 
 less than `decode_step --profile` suggests (16 and 55 ms there), because the
 profiler's per-op cost inflates exactly these many small aten ops. End to end
 (`decode_step --fused on off`, `engine_throughput --fused on off`) the difference
-was within the noise of the shared machine when first measured (load average 2-7).
+was within the noise of the shared machine when first measured (load average 2-7);
+on the quiet machine later (2026-12-01, 2 threads, median ms per decode step, on /
+off): batch 1 33.3 / 38.2, batch 4 34.6 / 34.1, batch 8 36.5 / 36.8, batch 64 108.9
+/ 109.2 -- neutral from batch 4 up, ~13% at batch 1. Kept on: never slower, and fewer
+passes over the activations.
 
 Numerics: every bf16 rounding happens where transformers' bf16 forward (and this
 model's torch path) rounds, so results are bit-identical except where the fp32 sum

@@ -158,6 +158,8 @@ DEFINE_ONE_ROW_GENERIC(one_row_generic_bf16, uint16_t, LD_BF16, ST_BF16)
 #ifdef __AVX512F__
 #include <immintrin.h>
 
+#include "../avx512_exp.h" /* exp512_reduced */
+
 /* The 16 horizontal sums of v[0..15], in order: a transpose-and-add tree
  * (45 shuffles/adds instead of 16 separate reductions). */
 static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
@@ -183,17 +185,7 @@ static inline __m512 exp512_nonpos(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(
         _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    const __m512 r2 = _mm512_mul_ps(r, r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+    return _mm512_maskz_mov_ps(keep, exp512_reduced(x, n));
 }
 
 /* Pass 2 on s [H, Lp] (Lp = L rounded up to 16): the scores past L become -inf,

@@ -45,7 +45,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.cli import add_on_off
+from benchmarks.cli import add_on_off, engine_switches
 from pagedserve.common.core.attention.base import AttentionMetadata
 from pagedserve.common.core.kv_cache import KVCache
 from pagedserve.common.core.loader import LoadedModel, load_model
@@ -157,15 +157,6 @@ def _with_settings(step: Callable[[], None], model, kernel: bool, prepack: bool,
     return run
 
 
-def _settings(args, dtype: str) -> list[tuple[str, str, str]]:
-    """(kernel, prepack, fused) asked for: every combination of --kernel, --prepack and
-    --fused (prepacking applies to bf16 and fp32, model.can_prepack; the fused ops to
-    bf16 only, model.can_fuse: other dtypes take the first value)."""
-    prepack = args.prepack if dtype in ("bf16", "fp32") else args.prepack[:1]
-    fused = args.fused if dtype == "bf16" else args.fused[:1]
-    return [(k, pk, f) for k in args.kernel for pk in prepack for f in fused]
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
@@ -201,7 +192,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         variants, fns = [], []
         for d, lm in loaded.items():
             step = paged_step(lm, b, args.context, args.block_size)
-            for k, pk, f in _settings(args, d):
+            for k, pk, f in engine_switches(args, DTYPES[d]):
                 variants.append(("pagedserve", d, k, pk, f))
                 fns.append(_with_settings(step, lm.model, k == "on", pk == "on", f == "on"))
             if d in hfs:
@@ -438,7 +429,7 @@ def profile_main(args) -> list[dict]:
             ),
             f"prefill {args.prefill_len}": prefill_step(lm, args.prefill_len, args.block_size),
         }
-        for k, pk, f in _settings(args, d):
+        for k, pk, f in engine_switches(args, DTYPES[d]):
             for name, step in steps.items():
                 run = _with_settings(step, lm.model, k == "on", pk == "on", f == "on")
                 variants.append((name, d, f"{k}/{pk}/{f}", run, lm.spec))

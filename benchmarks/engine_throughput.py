@@ -70,7 +70,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.cli import add_on_off, print_rows
+from benchmarks.cli import add_on_off, engine_switches, print_rows
 from pagedserve.common.api.sampling_params import SamplingParams
 from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_dtype
 from pagedserve.common.core.engine import LLMEngine
@@ -593,17 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = [resolve_dtype(d, "cpu") for d in args.dtype]
     dtype = dtypes[0]
     reqs = load_workload(args.workload, args.limit)
-    # prepacking applies to bf16 and fp32 (model.can_prepack), the fused ops to bf16
-    # (model.can_fuse): other combinations run once
-    variants = [
-        (d, k, pk, f)
-        for d in dtypes
-        for k in args.kernel
-        for pk in args.prepack
-        for f in args.fused
-        if (d in ("bfloat16", "float32") or pk == args.prepack[0])
-        and (d == "bfloat16" or f == args.fused[0])
-    ]
+    variants = [(d, *switches) for d in dtypes for switches in engine_switches(args, DTYPES[d])]
     runs: dict[tuple, list[dict]] = {v: [] for v in variants}
     for _ in range(args.repeat):  # alternating rounds: a shared machine's load hits all
         for d, k, pk, f in variants:

@@ -8,8 +8,10 @@ The exporter stages every exported block set in this layout, in a /dev/shm file
                                  length, the lease id
     [256, 256 + table_len)       the chunks' wire headers (wire.py), back to back, each
                                  sealed with its chunk's checksum
-    [payload_offset, +len)       payload [L, 2, n, block_size, kvh, head_dim], page aligned;
-                                 chunk i's payload is its units' byte range in it
+    [payload_offset, +len)       payload [n, L, 2, block_size, kvh, head_dim] (block-major,
+                                 wire.py's unit order), page aligned; chunk i's payload
+                                 is its units' byte range in it, and block i's layers
+                                 [l0, l1) are one contiguous sub-run of block i
     [total, capacity)            unused (a reused segment may be larger than needed)
 
 so the segment holds exactly the chunks a full pull streams, checksums included, and

@@ -1,21 +1,28 @@
 """The KV wire format: chunks of raw tensor bytes, each behind a fixed binary header.
 
 A *transfer* moves the K and V of `n` blocks over a layer range, laid out exactly as
-`KVCache.read_blocks` returns them:
+`KVCache.read_blocks` returns them (the cache is block-major, see common/core/kv_cache.py):
 
-    blocks: [L, 2, n, block_size, num_kv_heads, head_dim]     L = layer_end - layer_start
+    blocks: [n, L, 2, block_size, num_kv_heads, head_dim]     L = layer_end - layer_start
 
 The transfer is cut into *units*, one block of one layer's K or V, numbered in that
-layout's order (layer-major, then K/V, then block):
+layout's order (block-major, then layer, then K/V):
 
-    unit u  ->  row = u // n            (row = 2 * (layer - layer_start) + kv, kv 0=K 1=V)
-                block position = u % n
+    unit u  ->  block position = u // (2 * L)
+                row = u % (2 * L)     (row = 2 * (layer - layer_start) + kv, kv 0=K 1=V)
     one unit = [block_size, num_kv_heads, head_dim] elements, contiguous
 
-and the units into *chunks* of consecutive units, at most `max_chunk_bytes` of payload
+so one block's units over the transfer's layers are consecutive, and consecutive in a
+block-major cache too: a sink copies a whole block (all layers) with one memcpy. (Wire
+version 1 numbered units layer-major, `row = u // n`; a version-1 chunk is refused
+with KVTransferError, never read in the wrong order.)
+
+Units are grouped into *chunks* of consecutive units, at most `max_chunk_bytes` of payload
 each (1 MiB by default: well under gRPC's 4 MiB message limit, and large enough that
 per-message costs do not dominate). Chunks hold whole units so that a receiver can
-place every chunk into its own cache as it arrives, without staging the transfer.
+place every chunk into its own cache as it arrives, without staging the transfer. A
+chunk may start or end inside a block (a block of the default model is 360 KiB in
+bf16, 60 units of 6 KiB).
 
 One chunk on the wire is `header || payload`:
 
@@ -68,7 +75,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 MAGIC = b"PSKV"
-VERSION = 1
+VERSION = 2  # 2: block-major unit order (1 was layer-major)
 DEFAULT_MAX_CHUNK_BYTES = 1 << 20
 # Largest chunk either side accepts: the gRPC channels are configured for it.
 MAX_CHUNK_BYTES_LIMIT = 16 << 20
@@ -196,8 +203,13 @@ class ChunkHeader:
 
     @property
     def transfer_shape(self) -> tuple[int, ...]:
-        """[L, 2, n, block_size, num_kv_heads, head_dim] of the whole transfer."""
-        return (self.layer_end - self.layer_start, 2, self.num_blocks, *self.unit_shape)
+        """[n, L, 2, block_size, num_kv_heads, head_dim] of the whole transfer."""
+        return (self.num_blocks, self.layer_end - self.layer_start, 2, *self.unit_shape)
+
+    @property
+    def units_per_block(self) -> int:
+        """2 * L: the units of one block over the transfer's layers (consecutive)."""
+        return 2 * (self.layer_end - self.layer_start)
 
     def same_transfer(self, other: ChunkHeader) -> bool:
         """True when both headers describe chunks of one transfer."""
@@ -241,7 +253,10 @@ def decode_header(buf: bytes | memoryview) -> ChunkHeader:
     if f.magic != MAGIC:
         raise KVTransferError(f"not a KV chunk: magic {bytes(f.magic)!r}, expected {MAGIC!r}")
     if f.version != VERSION:
-        raise KVTransferError(f"KV wire version {f.version} not supported (this is {VERSION})")
+        raise KVTransferError(
+            f"KV wire version {f.version} not supported (this is {VERSION}: block-major "
+            "units; version 1 was layer-major): exporter and puller must run the same release"
+        )
     if f.dtype_code not in CODE_DTYPES:
         raise KVTransferError(f"unknown dtype code {f.dtype_code} in chunk header")
     if f.checksum_kind not in _KIND_NAMES:
@@ -400,7 +415,7 @@ class Chunk:
 
 
 def encode_chunks(
-    blocks: torch.Tensor,  # [L, 2, n, block_size, num_kv_heads, head_dim]
+    blocks: torch.Tensor,  # [n, L, 2, block_size, num_kv_heads, head_dim]
     *,
     block_ids: Sequence[int],
     num_tokens: int,
@@ -416,11 +431,11 @@ def encode_chunks(
     in use. `num_layers` is the model's layer count (default: layer_start + L).
     Arguments are checked here, before the first chunk is asked for.
     """
-    if blocks.ndim != 6 or blocks.shape[1] != 2:
+    if blocks.ndim != 6 or blocks.shape[2] != 2:
         raise ValueError(
-            f"blocks must be [L, 2, n, block_size, kv_heads, head_dim], got {tuple(blocks.shape)}"
+            f"blocks must be [n, L, 2, block_size, kv_heads, head_dim], got {tuple(blocks.shape)}"
         )
-    L, _, n, bs, kvh, hd = blocks.shape
+    n, L, _, bs, kvh, hd = blocks.shape
     if len(block_ids) != n:
         raise ValueError(f"{len(block_ids)} block ids for {n} blocks")
     headers = chunk_headers(

@@ -83,7 +83,7 @@ from pagedserve.kvtransfer.wire import (
     checksum_kind,
     chunk_headers,
     encode_chunks,
-    encode_header,
+    encode_headers,
     frame_kvchunk,
     header_size,
     payload_range,
@@ -575,24 +575,17 @@ def _gather_and_seal(
     else:
         units_per_block = 2 * kv.shape[1]
         row_map = RowMap(ids, units_per_block, units_per_block)
-    futures = []
-    for h in headers:
+    sealed: list[bytes | Future] = []
+    for h, raw in zip(headers, encode_headers(headers), strict=True):
         if src is not None and dst is not None:
             u0 = h.unit_start
             for a, b, row in row_map.pieces(u0, h.unit_count):
                 dst[u0 + a : u0 + b] = src[row : row + b - a]
-        sealing = (seal, encode_header(h), data[payload_range(h)])
         if slow_checksum(h.checksum_kind):
-            futures.append(checksum_executor().submit(*sealing))
-        else:
-            futures.append(_done(seal(*sealing[1:])))
-    return [f.result()[0] for f in futures]
-
-
-def _done(value: object) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
+            sealed.append(checksum_executor().submit(seal, raw, data[payload_range(h)]))
+        else:  # XXH3 of a chunk just written (in cache): cheaper than a hand-off
+            sealed.append(seal(raw, data[payload_range(h)])[0])
+    return [s.result()[0] if isinstance(s, Future) else s for s in sealed]
 
 
 def _unlink_all(paths: set[Path]) -> None:

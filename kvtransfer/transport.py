@@ -44,7 +44,13 @@ import grpc
 import torch
 
 from pagedserve.kvtransfer.handle import ExportedKV, local_host_id
-from pagedserve.kvtransfer.segment import SHM_DIR, lease_segment_path, open_shm, parse_segment
+from pagedserve.kvtransfer.segment import (
+    SHM_DIR,
+    MappingCache,
+    SegmentView,
+    lease_segment_path,
+    parse_segment,
+)
 from pagedserve.kvtransfer.sinks import TensorSink
 from pagedserve.kvtransfer.source import SERVICE_NAME, positions_of
 from pagedserve.kvtransfer.stats import PullRecord, TransferStats, failure_cause
@@ -152,9 +158,18 @@ class ShmTransport(KVTransport):
 
     name = "shm"
 
-    def __init__(self, shm_dir: Path = SHM_DIR, *, overlap: bool | None = None) -> None:
+    def __init__(
+        self,
+        shm_dir: Path = SHM_DIR,
+        *,
+        overlap: bool | None = None,
+        max_mapped_bytes: int = 256 << 20,
+    ) -> None:
+        """max_mapped_bytes: exporters' segment files kept mapped between pulls
+        (segment.MappingCache); 0 maps every pull afresh."""
         self.shm_dir = Path(shm_dir)
         self.overlap = overlap  # checksums on the helper thread (see ChunkAssembler)
+        self.mappings = MappingCache(max_mapped_bytes)
 
     def pull_into(self, handle, sink, block_ids=None, layers=None, *, timeout=None) -> PullResult:
         spec = request_spec(handle, block_ids, layers)
@@ -166,7 +181,7 @@ class ShmTransport(KVTransport):
         # rule, for this lease, inside shm_dir is ever opened (ValueError otherwise).
         path = lease_segment_path(self.shm_dir, handle.shm_name, handle.lease_id)
         try:
-            mapping = open_shm(path)
+            mapping = self.mappings.open(path)
         except FileNotFoundError:
             raise LeaseNotFoundError(
                 f"segment {handle.shm_name} of lease {handle.lease_id!r} is gone "
@@ -193,12 +208,18 @@ class ShmTransport(KVTransport):
             raise LeaseNotFoundError(f"lease {handle.lease_id!r} ended during the pull")
         return result
 
+    def close(self) -> None:
+        """Drop the kept mappings (pulls in progress keep theirs until done)."""
+        self.mappings.close()
+
     def _pull_whole(self, segment, sink, spec) -> PullResult:
         """Every chunk as staged: copy it, its checksum verified alongside."""
+        units = _units_of(segment)  # one tensor over the payload, sliced per chunk
         asm = ChunkAssembler(sink, spec, overlap=self.overlap)
         try:
-            for header, raw in segment.headers:
-                asm.add(raw, segment.chunk_payload(header))
+            for header, raw in segment.headers:  # decoded and validated by parse_segment
+                data = units[header.unit_start : header.unit_start + header.unit_count]
+                asm.add_decoded(header, raw, segment.chunk_payload(header), data)
             first = asm.finish()
         except BaseException:
             asm.abort()
@@ -233,7 +254,7 @@ class ShmTransport(KVTransport):
         sub_header = _sub_header(first, spec)
         spec.check(sub_header)
         sink.bind(sub_header)
-        payload = tensor_view(segment.payload, first.dtype, first.transfer_shape)
+        payload = _units_of(segment).view(first.transfer_shape)
         unit_shape = first.unit_shape
         per_block = hi - lo
         i = 0
@@ -248,6 +269,18 @@ class ShmTransport(KVTransport):
         n = len(positions)
         nbytes = sub_header.num_units * sub_header.unit_bytes
         return PullResult("shm", n, spec.layer_start, spec.layer_end, nbytes, len(segment.headers))
+
+
+def _units_of(segment: SegmentView) -> torch.Tensor:
+    """The segment's payload as units [num_units, bs, kvh, d] of its first chunk's
+    transfer; KVTransferError when the payload's length does not match that transfer."""
+    first = segment.headers[0][0]
+    if len(segment.payload) != first.num_units * first.unit_bytes:
+        raise KVTransferError(
+            f"KV segment payload is {len(segment.payload)} bytes, its transfer "
+            f"{first.transfer_shape} needs {first.num_units * first.unit_bytes}"
+        )
+    return tensor_view(segment.payload, first.dtype, (first.num_units, *first.unit_shape))
 
 
 def _sub_header(first: ChunkHeader, spec: TransferSpec) -> ChunkHeader:

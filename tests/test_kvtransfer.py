@@ -1081,3 +1081,34 @@ def test_a_version_1_chunk_is_refused():
     asm = ChunkAssembler(TensorSink(torch.empty_like(blocks)))
     with pytest.raises(KVTransferError, match="version 1 not supported"):
         asm.add(v1, chunks[0].payload)
+
+
+def test_shm_puller_keeps_the_mapping_of_a_reused_segment_file():
+    """The exporter's pool hands one file from lease to lease: the puller maps it once,
+    reads each lease's own blocks through it, and lets it go once the file is unlinked."""
+    cache = make_cache(torch.float16)
+    shm = ShmTransport()
+    with KVSource(max_chunk_bytes=1024) as src:
+        for ids in ([1, 2], [5, 6], [9, 3]):
+            handle = src.export(cache, ids, num_tokens=8)
+            assert_bit_equal(shm.pull(handle), cache[ids])
+            src.release(handle.lease_id)  # back to the pool: the next export reuses it
+        assert shm.mappings.maps_total == 1
+        kept = shm.mappings.mapped_bytes
+        assert kept > 0
+    # the source unlinked its files: the next pull (another exporter) drops the mapping
+    with KVSource(max_chunk_bytes=1024) as other:
+        handle = other.export(cache, [4], num_tokens=4)
+        assert_bit_equal(shm.pull(handle), cache[[4]])
+        assert shm.mappings.maps_total == 2
+        assert shm.mappings.mapped_bytes == kept  # only the new file (same capacity)
+        other.release(handle.lease_id)
+    shm.close()
+    assert shm.mappings.mapped_bytes == 0
+    fresh = ShmTransport(max_mapped_bytes=0)  # nothing kept: a map per pull
+    with KVSource(max_chunk_bytes=1024) as src:
+        for ids in ([1], [2]):
+            handle = src.export(cache, ids, num_tokens=4)
+            assert_bit_equal(fresh.pull(handle), cache[ids])
+            src.release(handle.lease_id)
+    assert (fresh.mappings.maps_total, fresh.mappings.mapped_bytes) == (2, 0)

@@ -95,6 +95,35 @@ def test_kernel_matches_dense_reference_and_torch_path(d, group, block_size):
     torch.testing.assert_close(out, torch_out, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_block_major_layer_views_match_contiguous_caches(dtype, use_kernel):
+    """The cache is block-major ([blocks, layers, 2, ...], kv_cache.py), so a layer's
+    k_cache/v_cache are views whose block stride spans every layer. Attention over those
+    views (the C kernel, or the torch path's gather) and write_kv into them give exactly
+    what they give on contiguous copies, and write_kv touches no other layer's bytes."""
+    if use_kernel and LIB is None:
+        pytest.skip("the CPU kernel did not build here")
+    h, kvh, d, bs, layers, layer = 6, 2, 64, 16, 3, 1
+    q, k, v, kc, vc, meta, ref = _decode_case(LENS, h, kvh, d, bs, seed=21, dtype=dtype)
+    g = torch.Generator().manual_seed(22)
+    kv = torch.randn(kc.shape[0], layers, 2, bs, kvh, d, generator=g).to(dtype)
+    kv[:, layer, 0], kv[:, layer, 1] = kc, vc
+    k_view, v_view = kv[:, layer, 0], kv[:, layer, 1]
+    assert not k_view.is_contiguous() and k_view.stride(0) == layers * 2 * bs * kvh * d
+    before = kv.clone()
+    backend = TorchAttentionBackend(cpu_kernel=use_kernel)
+    out_view = backend.forward(q, k, v, k_view, v_view, meta, d**-0.5)
+    out_flat = TorchAttentionBackend(cpu_kernel=use_kernel).forward(q, k, v, kc, vc, meta, d**-0.5)
+    assert torch.equal(out_view, out_flat)
+    assert _rel(out_view, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(kv[:, layer, 0], kc) and torch.equal(kv[:, layer, 1], vc)
+    written = kv[:, layer] != before[:, layer]
+    assert written.any()  # the new tokens' K/V landed in this layer's tiles
+    others = [i for i in range(layers) if i != layer]
+    assert torch.equal(kv[:, others], before[:, others])
+
+
 @needs_kernel
 def test_kernel_on_strided_query_rows_and_long_sequences():
     """q as the model hands it (a view into a wider qk tensor), lengths past 512."""

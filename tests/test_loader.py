@@ -154,9 +154,15 @@ def _filled_cache(num_blocks: int = 6) -> KVCache:
 
 def test_kv_cache_layout_and_layer_views():
     cache = _filled_cache()
-    assert tuple(cache.kv.shape) == (2, 2, 6, 4, 3, 16)
+    # block-major: [blocks, layers, 2, block_size, kv_heads, head_dim]
+    assert tuple(cache.kv.shape) == (6, 2, 2, 4, 3, 16)
     k, v = cache.layer(1)
-    assert k.data_ptr() == cache.kv[1, 0].data_ptr() and v.data_ptr() == cache.kv[1, 1].data_ptr()
+    assert k.shape == v.shape == (6, 4, 3, 16)
+    assert torch.equal(k[5], cache.kv[5, 1, 0]) and torch.equal(v[2], cache.kv[2, 1, 1])
+    # one block (every layer's K and V) is one contiguous run of bytes_per_block
+    assert cache.kv[3].is_contiguous()
+    assert cache.kv[3].numel() * cache.kv.element_size() == cache.bytes_per_block
+    assert k.stride(0) == cache.kv[3].numel()
     assert cache.nbytes == 6 * cache.bytes_per_block
 
 
@@ -164,10 +170,10 @@ def test_copy_blocks_copies_every_layer_and_reads_before_writing():
     cache = _filled_cache()
     before = cache.kv.clone()
     cache.copy_blocks([(0, 1), (1, 2)])  # 1 is both a dst and a src: src read first
-    assert torch.equal(cache.kv[:, :, 1], before[:, :, 0])
-    assert torch.equal(cache.kv[:, :, 2], before[:, :, 1])
+    assert torch.equal(cache.kv[1], before[0])
+    assert torch.equal(cache.kv[2], before[1])
     untouched = [0, 3, 4, 5]
-    assert torch.equal(cache.kv[:, :, untouched], before[:, :, untouched])
+    assert torch.equal(cache.kv[untouched], before[untouched])
 
 
 def test_read_write_blocks_round_trip_between_caches():
@@ -176,9 +182,9 @@ def test_read_write_blocks_round_trip_between_caches():
     data = src.read_blocks([4, 1])
     assert tuple(data.shape) == (2, 2, 2, 4, 3, 16) and data.is_contiguous()
     dst.write_blocks([0, 5], data)
-    assert torch.equal(dst.kv[:, :, 0], src.kv[:, :, 4])
-    assert torch.equal(dst.kv[:, :, 5], src.kv[:, :, 1])
-    assert int(dst.kv[:, :, 1:5].count_nonzero()) == 0
+    assert torch.equal(dst.kv[0], src.kv[4])
+    assert torch.equal(dst.kv[5], src.kv[1])
+    assert int(dst.kv[1:5].count_nonzero()) == 0
 
 
 def test_kv_cache_bad_input():

@@ -122,8 +122,8 @@ def worker_scrape(c: Cluster, worker_id: str) -> Scrape:
 
 def block_bytes(rt) -> int:
     """KV payload bytes of one block of `rt`'s cache (every layer, K and V)."""
-    kv = rt.engine.kv_cache.kv  # [layers, 2, blocks, block_size, kv_heads, head_dim]
-    return kv[:, :, 0].numel() * kv.element_size()
+    kv = rt.engine.kv_cache.kv  # [blocks, layers, 2, block_size, kv_heads, head_dim]
+    return kv[0].numel() * kv.element_size()
 
 
 def tiny_model_name(c: Cluster) -> str:

@@ -102,7 +102,7 @@ class HostSwapper:
         data = self.store.pop(seq_id)
         if first_block < len(block_ids):
             dev = self.kv_cache.kv.device
-            self.kv_cache.write_blocks(block_ids[first_block:], data[:, :, first_block:].to(dev))
+            self.kv_cache.write_blocks(block_ids[first_block:], data[first_block:].to(dev))
 
     def discard(self, seq_id: str) -> None:
         self.store.pop(seq_id, None)

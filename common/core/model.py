@@ -451,7 +451,7 @@ class PagedCausalLM(nn.Module):
                 f"got {input_ids.shape[0]} tokens but the metadata describes {n_tokens}"
             )
         expected = (s.num_layers, 2, s.num_kv_heads, s.head_dim)
-        got = (kv_cache.kv.shape[0], kv_cache.kv.shape[1], *kv_cache.kv.shape[4:])
+        got = (kv_cache.kv.shape[1], kv_cache.kv.shape[2], *kv_cache.kv.shape[4:])
         if got != expected:
             raise ValueError(
                 f"KV cache (layers, 2, kv_heads, head_dim) = {got} does not fit the model {expected}"

@@ -5,8 +5,12 @@
  *
  * Shapes (row-major, element strides given where a view may be strided):
  *   q        [R, H, D]             q + r * q_stride
- *   k_cache  [NB, BS, KVH, D]      contiguous (one layer's K)
- *   v_cache  [NB, BS, KVH, D]      contiguous
+ *   k_cache  [NB, BS, KVH, D]      one layer's K: block b at k_cache + b * BSTR, each
+ *                                  block's [BS, KVH, D] tile contiguous (the cache is
+ *                                  block-major, kv_cache.py: BSTR = layers * 2 * BS *
+ *                                  KVH * D; a plain [NB, BS, KVH, D] tensor has
+ *                                  BSTR = BS * KVH * D)
+ *   v_cache  [NB, BS, KVH, D]      the same, block stride BSTR
  *   tables   [n_tables, t_width]   int32 block ids, tables + seq * t_stride
  *   row_seq  [R] or NULL           int32: the table row of each query row
  *   lens     [R]                   int32: how many tokens row r attends (0: skip)
@@ -94,14 +98,14 @@ static inline float exp_nonpos(float x) {
 #define DEFINE_ONE_ROW_GENERIC(NAME, T, LD, ST)                                            \
 static void NAME(const T *q, const T *k_cache, const T *v_cache,                        \
                                  const int32_t *table, int64_t L, int64_t H, int64_t KVH, \
-                                 int64_t D, int64_t BS, float scale, T *out, float *s,  \
+                                 int64_t D, int64_t BS, int64_t BSTR, float scale, T *out, float *s,  \
                                  float *acc, float *inv) {                              \
     const int64_t G = H / KVH;                                                          \
     const int64_t row = KVH * D; /* floats per token within a block */                  \
                                                                                         \
     /* 1. scores: s [H, L] */                                                           \
     for (int64_t t0 = 0; t0 < L; t0 += BS) {                                            \
-        const T *kb = k_cache + (int64_t)table[t0 / BS] * BS * row;                     \
+        const T *kb = k_cache + (int64_t)table[t0 / BS] * BSTR;                     \
         const int64_t n = L - t0 < BS ? L - t0 : BS;                                    \
         for (int64_t j = 0; j < n; ++j) {                                               \
             const T *kt = kb + j * row;                                                 \
@@ -132,7 +136,7 @@ static void NAME(const T *q, const T *k_cache, const T *v_cache,                
     /* 3. weighted V: acc [H, D] */                                                     \
     memset(acc, 0, (size_t)(H * D) * sizeof(float));                                    \
     for (int64_t t0 = 0; t0 < L; t0 += BS) {                                            \
-        const T *vb = v_cache + (int64_t)table[t0 / BS] * BS * row;                     \
+        const T *vb = v_cache + (int64_t)table[t0 / BS] * BSTR;                     \
         const int64_t n = L - t0 < BS ? L - t0 : BS;                                    \
         for (int64_t j = 0; j < n; ++j) {                                               \
             const T *vt = vb + j * row;                                                 \
@@ -218,9 +222,9 @@ static inline void softmax512(float *s, int64_t H, int64_t L, int64_t Lp, float 
 /* Each block's first token offset -> every token's element offset off[t], t < Lp
  * (the tile padding past L repeats token L - 1: real, finite data). */
 static inline void token_offsets(const int32_t *table, int64_t L, int64_t Lp, int64_t BS,
-                                 int64_t row, int64_t *off) {
+                                 int64_t BSTR, int64_t row, int64_t *off) {
     for (int64_t t0 = 0, i = 0; t0 < L; t0 += BS, ++i) { /* no division per token */
-        const int64_t base = (int64_t)table[i] * BS * row, n = L - t0 < BS ? L - t0 : BS;
+        const int64_t base = (int64_t)table[i] * BSTR, n = L - t0 < BS ? L - t0 : BS;
         for (int64_t j = 0; j < n; ++j) off[t0 + j] = base + j * row;
     }
     for (int64_t t = L; t < Lp; ++t) off[t] = off[L - 1];
@@ -253,10 +257,10 @@ static inline void token_offsets(const int32_t *table, int64_t L, int64_t Lp, in
 /* The K rows of the first 16 tokens of a row whose table and length are given
  * (the next row this thread will take), into L2: its scores pass then starts warm. */
 static inline void prefetch_row_start(const void *k_cache, size_t elem, const int32_t *table,
-                                      int64_t L, int64_t BS, int64_t row) {
+                                      int64_t L, int64_t BS, int64_t BSTR, int64_t row) {
     for (int64_t t = 0; t < L && t < 16; ++t) {
         const char *p = (const char *)k_cache +
-                        (((int64_t)table[t / BS] * BS + t % BS) * row) * (int64_t)elem;
+                        ((int64_t)table[t / BS] * BSTR + (t % BS) * row) * (int64_t)elem;
         for (int64_t b = 0; b < row * (int64_t)elem; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
     }
 }
@@ -266,12 +270,12 @@ static inline void prefetch_row_start(const void *k_cache, size_t elem, const in
  * finite data) and their scores are set to -inf, so no tile needs a branch. */
 static inline __attribute__((always_inline)) void one_row_avx512_impl(
     const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
-    int64_t L, int64_t H, int64_t KVH, int64_t BS, float scale, float *out, float *s,
+    int64_t L, int64_t H, int64_t KVH, int64_t BS, int64_t BSTR, float scale, float *out, float *s,
     float *acc, float *inv, int64_t *off, int pf, const int64_t C) {
     const int64_t D = 16 * C, G = H / KVH, row = KVH * D;
     const int64_t Lp = (L + 15) & ~(int64_t)15;
     const int v_ahead = pf && L * row * 4 <= V_PREFETCH_MAX_BYTES;
-    token_offsets(table, L, Lp, BS, row, off);
+    token_offsets(table, L, Lp, BS, BSTR, row, off);
 
     /* 1. scores s [H, Lp], 16 tokens at a time (prefetching: see prefetch_tile) */
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -356,13 +360,13 @@ static inline __m512i bf16_pack(__m512 even, __m512 odd) {
 
 static inline __attribute__((always_inline)) void one_row_avx512_bf16_impl(
     const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table,
-    int64_t L, int64_t H, int64_t KVH, int64_t BS, float scale, uint16_t *out, float *s,
+    int64_t L, int64_t H, int64_t KVH, int64_t BS, int64_t BSTR, float scale, uint16_t *out, float *s,
     float *acc, float *inv, int64_t *off, float *part, int pf, const int32_t *next_table,
     int64_t next_L, const int64_t P) {
     const int64_t D = 32 * P, G = H / KVH, row = KVH * D;
     const int64_t Lp = (L + 15) & ~(int64_t)15;
     const int v_ahead = pf && L * row * 2 <= V_PREFETCH_MAX_BYTES;
-    token_offsets(table, L, Lp, BS, row, off);
+    token_offsets(table, L, Lp, BS, BSTR, row, off);
 
     /* 1. scores s [H, Lp], 16 tokens at a time */
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -402,7 +406,7 @@ static inline __attribute__((always_inline)) void one_row_avx512_bf16_impl(
     softmax512(s, H, L, Lp, inv, part);
 
     /* 3. weighted V: acc [H, P, 2, 16] (padding rows have weight 0) */
-    if (next_table != NULL) prefetch_row_start(k_cache, 2, next_table, next_L, BS, row);
+    if (next_table != NULL) prefetch_row_start(k_cache, 2, next_table, next_L, BS, BSTR, row);
     memset(acc, 0, (size_t)(H * D) * sizeof(float));
     for (int64_t t0 = 0; t0 < Lp; t0 += 16) {
         if (pf && t0 + 16 < Lp)
@@ -461,7 +465,7 @@ static int64_t scratch_head_floats(int64_t H, int64_t D, int64_t Lp) {
 
 static void one_row(const float *q, const float *k_cache, const float *v_cache,
                          const int32_t *table, int64_t L, int64_t H, int64_t KVH, int64_t D,
-                         int64_t BS, float scale, float *out, float *scratch, int64_t Lp_max,
+                         int64_t BS, int64_t BSTR, float scale, float *out, float *scratch, int64_t Lp_max,
                          int pf) {
     float *s = scratch;
     float *acc = s + H * Lp_max;
@@ -469,7 +473,7 @@ static void one_row(const float *q, const float *k_cache, const float *v_cache,
     int64_t *off = (int64_t *)(scratch + scratch_head_floats(H, D, Lp_max));
 #ifdef __AVX512F__
 #define AVX512_CASE(C)                                                                      \
-    one_row_avx512_impl(q, k_cache, v_cache, table, L, H, KVH, BS, scale, out, s, acc, \
+    one_row_avx512_impl(q, k_cache, v_cache, table, L, H, KVH, BS, BSTR, scale, out, s, acc, \
                              inv, off, pf, C);                                              \
     return;
     switch (D) {
@@ -482,7 +486,7 @@ static void one_row(const float *q, const float *k_cache, const float *v_cache,
 #undef AVX512_CASE
 #endif
     (void)off, (void)pf;
-    one_row_generic(q, k_cache, v_cache, table, L, H, KVH, D, BS, scale, out, s, acc, inv);
+    one_row_generic(q, k_cache, v_cache, table, L, H, KVH, D, BS, BSTR, scale, out, s, acc, inv);
 }
 
 /* Whether bf16 rows of head size D take the AVX-512 code (the only one that can
@@ -502,7 +506,7 @@ static int bf16_vector_path(int64_t D) {
  * first K tile is prefetched), or NULL. */
 static void one_row_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                          const int32_t *table, int64_t L, int64_t H, int64_t KVH, int64_t D,
-                         int64_t BS, float scale, uint16_t *out, float *scratch,
+                         int64_t BS, int64_t BSTR, float scale, uint16_t *out, float *scratch,
                          int64_t Lp_max, float *part, int pf, const int32_t *next_table,
                          int64_t next_L) {
     float *s = scratch;
@@ -511,7 +515,7 @@ static void one_row_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
     int64_t *off = (int64_t *)(scratch + scratch_head_floats(H, D, Lp_max));
 #ifdef __AVX512F__
 #define AVX512_CASE(P)                                                                      \
-    one_row_avx512_bf16_impl(q, k_cache, v_cache, table, L, H, KVH, BS, scale, out, s, acc, \
+    one_row_avx512_bf16_impl(q, k_cache, v_cache, table, L, H, KVH, BS, BSTR, scale, out, s, acc, \
                              inv, off, part, pf, next_table, next_L, P);                    \
     return;
     switch (D) {
@@ -523,7 +527,7 @@ static void one_row_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
 #undef AVX512_CASE
 #endif
     (void)off, (void)part, (void)pf, (void)next_table, (void)next_L;
-    one_row_generic_bf16(q, k_cache, v_cache, table, L, H, KVH, D, BS, scale, out, s, acc, inv);
+    one_row_generic_bf16(q, k_cache, v_cache, table, L, H, KVH, D, BS, BSTR, scale, out, s, acc, inv);
 }
 
 /* Splitting rows. A decode step of fewer rows than threads left all but R threads
@@ -601,7 +605,8 @@ static int attend(int bf16, const void *q, int64_t q_stride, const void *k_cache
                   const void *v_cache, int64_t NB, const int32_t *tables, int64_t n_tables,
                   int64_t t_stride, int64_t t_width, const int32_t *row_seq,
                   const int32_t *lens, int64_t R, int64_t H, int64_t KVH, int64_t D,
-                  int64_t BS, float scale, void *out, int64_t out_stride, int num_threads) {
+                  int64_t BS, int64_t BSTR, float scale, void *out, int64_t out_stride,
+                  int num_threads) {
     int64_t max_len = 1;
     for (int64_t r = 0; r < R; ++r) {
         const int64_t L = lens[r], seq = row_seq ? row_seq[r] : r;
@@ -659,14 +664,14 @@ static int attend(int bf16, const void *q, int64_t q_stride, const void *k_cache
                     if (ni < n_items)
                         nx = item_at(ni, first, R, tables, t_stride, row_seq, lens, chunk, BS);
                     one_row_bf16((const uint16_t *)q + r * q_stride, k_cache, v_cache,
-                                 it.table, it.len, H, KVH, D, BS, scale,
+                                 it.table, it.len, H, KVH, D, BS, BSTR, scale,
                                  (uint16_t *)out + r * out_stride, s, Lp_max,
                                  it.part < 0 ? NULL : parts + it.part * part_floats,
                                  it.table != prev,
                                  nx.len > 0 && nx.table != it.table ? nx.table : NULL, nx.len);
                 } else
                     one_row((const float *)q + r * q_stride, k_cache, v_cache, it.table,
-                            it.len, H, KVH, D, BS, scale, (float *)out + r * out_stride, s,
+                            it.len, H, KVH, D, BS, BSTR, scale, (float *)out + r * out_stride, s,
                             Lp_max, it.table != prev);
                 prev = it.table;
             }
@@ -688,10 +693,10 @@ int pagedserve_attend_f32(const float *q, int64_t q_stride, const float *k_cache
                           const float *v_cache, int64_t NB, const int32_t *tables,
                           int64_t n_tables, int64_t t_stride, int64_t t_width,
                           const int32_t *row_seq, const int32_t *lens, int64_t R, int64_t H,
-                          int64_t KVH, int64_t D, int64_t BS, float scale, float *out,
+                          int64_t KVH, int64_t D, int64_t BS, int64_t BSTR, float scale, float *out,
                           int64_t out_stride, int num_threads) {
     return attend(0, q, q_stride, k_cache, v_cache, NB, tables, n_tables, t_stride, t_width,
-                  row_seq, lens, R, H, KVH, D, BS, scale, out, out_stride, num_threads);
+                  row_seq, lens, R, H, KVH, D, BS, BSTR, scale, out, out_stride, num_threads);
 }
 
 /* The same in bf16: q, the caches and out hold bf16 (as uint16_t), strides in
@@ -700,8 +705,8 @@ int pagedserve_attend_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
                            const uint16_t *v_cache, int64_t NB, const int32_t *tables,
                            int64_t n_tables, int64_t t_stride, int64_t t_width,
                            const int32_t *row_seq, const int32_t *lens, int64_t R, int64_t H,
-                           int64_t KVH, int64_t D, int64_t BS, float scale, uint16_t *out,
+                           int64_t KVH, int64_t D, int64_t BS, int64_t BSTR, float scale, uint16_t *out,
                            int64_t out_stride, int num_threads) {
     return attend(1, q, q_stride, k_cache, v_cache, NB, tables, n_tables, t_stride, t_width,
-                  row_seq, lens, R, H, KVH, D, BS, scale, out, out_stride, num_threads);
+                  row_seq, lens, R, H, KVH, D, BS, BSTR, scale, out, out_stride, num_threads);
 }

@@ -65,7 +65,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for fn in (lib.pagedserve_attend_f32, lib.pagedserve_attend_bf16):
         fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, ptr, ptr]
-        fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, ctypes.c_int]
+        fn.argtypes += [i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
     return lib
 
@@ -86,8 +86,8 @@ _ENTRY = {torch.float32: "pagedserve_attend_f32", torch.bfloat16: "pagedserve_at
 def attend(
     lib: ctypes.CDLL,
     q: torch.Tensor,  # [R, H, D] fp32 or bf16, rows may be strided, each row contiguous
-    k_cache: torch.Tensor,  # [NB, BS, KVH, D] q's dtype, contiguous
-    v_cache: torch.Tensor,
+    k_cache: torch.Tensor,  # [NB, BS, KVH, D] q's dtype, each block's tile contiguous
+    v_cache: torch.Tensor,  # the same, same block stride (the block-major cache's views)
     block_tables: torch.Tensor,  # [S, max_blocks] int32, each row contiguous
     lens: torch.Tensor,  # [R] int32 contiguous: tokens row r attends; 0 = skip the row
     scale: float,
@@ -103,6 +103,7 @@ def attend(
     """
     r, h, d = q.shape
     nb, bs, kvh, _ = k_cache.shape
+    block_stride = k_cache.stride(0)  # elements; > bs * kvh * d in the block-major cache
     rc = getattr(lib, _ENTRY[q.dtype])(
         q.data_ptr(),
         q.stride(0),
@@ -120,6 +121,7 @@ def attend(
         kvh,
         d,
         bs,
+        block_stride,
         scale,
         out.data_ptr(),
         out.stride(0),
@@ -137,6 +139,17 @@ def attend(
         )
 
 
+def tile_contiguous(cache: torch.Tensor) -> bool:
+    """Whether `cache` [NB, BS, KVH, D] has each block's [BS, KVH, D] tile contiguous and
+    blocks at least a tile apart: a contiguous tensor or a layer view of the
+    block-major cache (kv_cache.py), the layouts the kernel reads."""
+    if cache.ndim != 4:
+        return False
+    _, bs, kvh, d = cache.shape
+    st = cache.stride()
+    return st[3] == 1 and st[2] == d and st[1] == kvh * d and st[0] >= bs * kvh * d
+
+
 def fits(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -150,9 +163,9 @@ def fits(
         and q.dtype in _ENTRY
         and q.device.type == k_cache.device.type == v_cache.device.type == "cpu"
         and block_tables.device.type == lens.device.type == "cpu"
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
+        and tile_contiguous(k_cache)
         and k_cache.shape == v_cache.shape
+        and k_cache.stride() == v_cache.stride()
         and block_tables.dtype == lens.dtype == torch.int32
         and block_tables.stride(-1) == 1
         and lens.is_contiguous()

@@ -79,7 +79,8 @@ BENCH_SERVICE = "pagedserve.bench.KVTransferBench"
 
 def new_cache(seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    shape = (NUM_LAYERS, 2, CACHE_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    # block-major, as KVCache.kv: one block's layers, K and V, are one contiguous run
+    shape = (CACHE_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     return torch.randn(shape, generator=g).to(DTYPE)
 
 
@@ -239,7 +240,7 @@ def measure(
     src, dst = new_cache(seed=2), torch.zeros_like(new_cache(seed=2))
     src_ids, dst_ids = random_blocks(n, seed=3), random_blocks(n, seed=4)
     nbytes = NUM_LAYERS * 2 * n * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
-    flat = src[:, :, :n].contiguous()
+    flat = src[:n].contiguous()
 
     ready = torch.empty_like(flat).fill_(0)  # allocated and faulted in before timing
     t_memcpy = best_time(lambda: ready.copy_(flat), repeats)
@@ -266,7 +267,7 @@ def measure(
         phases = {k: [] for k in phases}
         for _ in range(repeats):
             move()
-    assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids]), "shm transfer corrupted data"
+    assert torch.equal(dst[dst_ids], src[src_ids]), "shm transfer corrupted data"
     t_shm, t_export, t_pull = (min(phases[k]) for k in ("total", "export", "pull"))
 
     # grpc: the exporter process holds the blocks; pull them repeatedly from one lease.
@@ -295,8 +296,8 @@ def measure(
     us_per_mib = {
         k: [c / repeats / (nbytes / 2**20) * 1e6 for c in v] for k, v in turns.cpu_seconds.items()
     }
-    remote = new_cache(seed=1)[:, :, list(handle.block_ids)]
-    assert torch.equal(dst[:, :, dst_ids], remote), "grpc transfer corrupted data"
+    remote = new_cache(seed=1)[list(handle.block_ids)]
+    assert torch.equal(dst[dst_ids], remote), "grpc transfer corrupted data"
     channel.unary_unary(f"/{BENCH_SERVICE}/Release")(handle.lease_id.encode())
 
     gbps = lambda t: nbytes / t / 1e9  # noqa: E731

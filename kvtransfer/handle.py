@@ -49,12 +49,12 @@ class KVLayout:
 
     @classmethod
     def of_cache(cls, kv: torch.Tensor) -> KVLayout:
-        """The layout of a cache tensor [num_layers, 2, num_blocks, bs, kvh, head_dim]."""
-        if kv.ndim != 6 or kv.shape[1] != 2:
+        """The layout of a block-major cache tensor [num_blocks, num_layers, 2, bs, kvh, d]."""
+        if kv.ndim != 6 or kv.shape[2] != 2:
             raise ValueError(
-                f"kv must be [L, 2, num_blocks, block_size, kvh, head_dim], got {tuple(kv.shape)}"
+                f"kv must be [num_blocks, L, 2, block_size, kvh, head_dim], got {tuple(kv.shape)}"
             )
-        L, _, _, bs, kvh, hd = kv.shape
+        _, L, _, bs, kvh, hd = kv.shape
         return cls(L, bs, kvh, hd, kv.dtype)
 
     @property

@@ -8,8 +8,10 @@ The exporter stages every exported block set in this layout, in a /dev/shm file
                                  length, the lease id
     [256, 256 + table_len)       the chunks' wire headers (wire.py), back to back, each
                                  sealed with its chunk's checksum
-    [payload_offset, +len)       payload [L, 2, n, block_size, kvh, head_dim], page aligned;
-                                 chunk i's payload is its units' byte range in it
+    [payload_offset, +len)       payload [n, L, 2, block_size, kvh, head_dim] (block-major,
+                                 wire.py's unit order), page aligned; chunk i's payload
+                                 is its units' byte range in it, and block i's layers
+                                 [l0, l1) are one contiguous sub-run of block i
     [total, capacity)            unused (a reused segment may be larger than needed)
 
 so the segment holds exactly the chunks a full pull streams, checksums included, and
@@ -31,6 +33,7 @@ import mmap
 import os
 import re
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,27 +204,103 @@ def create_shm(path: Path, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-def open_shm(path: Path) -> mmap.mmap:
-    """Map an existing segment read-only (FileNotFoundError if it is gone).
-
-    Only the segment's own bytes are mapped (a pooled file may be larger), and they
-    are faulted in at once (MAP_POPULATE).
-    """
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        head = os.pread(fd, SEGMENT_HEADER_BYTES, 0)
-        if len(head) < SEGMENT_HEADER_BYTES:
-            raise KVTransferError(f"KV segment {path} is truncated ({len(head)} bytes)")
-        total = _SEGMENT.unpack_from(head)[7]
-        size = os.fstat(fd).st_size
-        if not SEGMENT_HEADER_BYTES <= total <= size:
-            raise KVTransferError(f"KV segment {path} is {size} bytes, its header says {total}")
-        return mmap.mmap(fd, total, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
-
-
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+@dataclass
+class _Mapped:
+    mapping: mmap.mmap
+    fd: int  # kept open: fstat tells when the exporter has unlinked the file
+    size: int
+
+
+class MappingCache:
+    """Read-only mappings of exporters' segment files, kept across pulls.
+
+    An exporter reuses its segment files (its pool renames the same file from lease
+    to lease), and mapping one costs a puller what copying a third of it does here:
+    MAP_POPULATE sets up every page table entry (7-8 ms for 45 MiB on the 2-core
+    EPYC, plus 2-3 ms of munmap afterwards, in a 40 ms pull; NOTES.md). So a mapping
+    is kept and found again by the file's identity, (st_dev, st_ino), whatever its
+    name: while a mapping is held the inode cannot be freed, so no other file can
+    come to have that identity. What it maps is never trusted for that: every pull
+    parses the segment, checks the lease it holds and the checksums, and compares
+    the segment header after copying (SegmentView.unchanged), as with a fresh map.
+
+    Held mappings keep the exporter's memory alive after it unlinks a file, so they
+    are bounded: a mapping whose file has no name left is dropped at the next `open`,
+    the least recently used go beyond `max_bytes`, and `close` drops all. The whole
+    file is mapped (a pooled file may serve larger segments later).
+    """
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._maps: dict[tuple[int, int], _Mapped] = {}  # insertion order = LRU order
+        self._lock = threading.Lock()
+        self.maps_total = 0  # mmap calls (cache misses)
+
+    def open(self, path: Path) -> mmap.mmap:
+        """A read-only mapping of segment file `path` (FileNotFoundError if it is gone)."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            with self._lock:
+                self._prune()
+                entry = self._maps.pop(key, None)
+                if entry is not None and entry.size == st.st_size:
+                    self._maps[key] = entry  # most recently used
+                    return entry.mapping
+                if entry is not None:
+                    os.close(entry.fd)
+            if st.st_size < SEGMENT_HEADER_BYTES:
+                raise KVTransferError(f"KV segment {path} is truncated ({st.st_size} bytes)")
+            mapping = mmap.mmap(
+                fd, st.st_size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ
+            )
+            with self._lock:
+                self.maps_total += 1
+                if st.st_size > self.max_bytes:  # too large to keep: a one-off mapping
+                    return mapping
+                self._maps[key] = _Mapped(mapping, fd, st.st_size)
+                fd = -1  # kept
+                self._evict()
+            return mapping
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _prune(self) -> None:
+        """Drop mappings of files the exporter has unlinked (lock held)."""
+        for key, entry in list(self._maps.items()):
+            try:
+                gone = os.fstat(entry.fd).st_nlink == 0
+            except OSError:
+                gone = True
+            if gone:
+                self._drop(key)
+
+    def _evict(self) -> None:
+        while sum(e.size for e in self._maps.values()) > self.max_bytes:
+            self._drop(next(iter(self._maps)))
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        # The mapping itself is not closed: tensors of a pull in progress may view it;
+        # it is unmapped when the last of them is gone.
+        entry = self._maps.pop(key)
+        os.close(entry.fd)
+
+    @property
+    def mapped_bytes(self) -> int:
+        with self._lock:
+            return sum(e.size for e in self._maps.values())
+
+    def close(self) -> None:
+        with self._lock:
+            for key in list(self._maps):
+                self._drop(key)
 
 
 def free_bytes(shm_dir: Path = SHM_DIR) -> int:

@@ -1,20 +1,27 @@
 """Where received KV units land: a fresh tensor, or the decode worker's own cache.
 
-A transfer's units are numbered `u = row * n + position` with `row = 2 * layer + kv`
-over the transfer's layers (see wire.py). A chunk's consecutive units cover, in
-general, the end of one row, some whole rows, and the start of another:
+A transfer's units are numbered block-major (wire.py): unit `u` is row `u % R` of
+block position `u // R`, with `R = 2 * L` rows (`row = 2 * layer + kv`) per block
+over the transfer's L layers. Both destinations store a block's rows back to back
+too, so unit (position, row) lands at destination row
 
-    row r0:   . . . [p0 ......... n)        head: one partial row
-    rows r1..r2:    [0 ........... n)        body: whole rows, one op for all of them
-    row r3:         [0 ..... p1) . . .       tail: one partial row
+    dest(position, row) = ids[position] * S + offset + row
 
-so a sink writes every chunk with at most three tensor ops, whatever its size.
+of the destination viewed as rows of unit bytes: a block-major cache has
+`S = 2 * num_layers` rows per block and `offset = 2 * layer_start`; a tensor
+`[n, L, 2, ...]` has `S = R`, `offset = 0` and ids 0..n-1. `RowMap` turns a chunk's
+unit range into *runs*: maximal ranges of units whose destination rows are
+consecutive. One block's rows are always one run (a whole block over every layer is
+one memcpy of 360 KiB for the default model); neighbouring blocks merge when their
+destination rows touch (consecutive ids, every layer); a chunk cut inside a block
+gives one partial run at either end. So a sink writes a 1 MiB chunk with a handful
+of copies, never unit by unit.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,44 +29,89 @@ import torch
 from pagedserve.kvtransfer.wire import ChunkHeader
 
 
-@dataclass(frozen=True)
-class Span:
-    """Units of rows [row_start, row_end), positions [pos_start, pos_end) of each row,
-    taken from data[data_start : data_end] (row-major)."""
+class RowMap:
+    """Unit -> destination row, as runs: unit (p, r) goes to row ids[p] * stride + offset + r.
 
-    row_start: int
-    row_end: int
-    pos_start: int
-    pos_end: int
-    data_start: int
-    data_end: int
+    `starts[i]` is the first unit of run i, `rows[i]` its destination row; run i ends
+    where run i + 1 starts (the last at `num_units`).
+    """
+
+    def __init__(
+        self, ids: Sequence[int], units_per_block: int, stride: int, offset: int = 0
+    ) -> None:
+        if offset < 0 or offset + units_per_block > stride:
+            raise ValueError(
+                f"{units_per_block} rows at offset {offset} do not fit {stride} rows per block"
+            )
+        self.units_per_block = units_per_block
+        self.num_units = len(ids) * units_per_block
+        starts: list[int] = []
+        rows: list[int] = []
+        next_row = None  # the row right after the previous run
+        for p, b in enumerate(ids):
+            row = int(b) * stride + offset
+            if row != next_row:  # a new run (else block p continues the previous one)
+                starts.append(p * units_per_block)
+                rows.append(row)
+            next_row = row + units_per_block
+        starts.append(self.num_units)  # sentinel: the end of the last run
+        self.starts = starts
+        self.rows = rows
+
+    def pieces(self, unit_start: int, count: int) -> Iterator[tuple[int, int, int]]:
+        """(data_start, data_end, dest_row) of each run units [unit_start, +count) touch:
+        data[data_start:data_end] (indices into the chunk) go to consecutive rows from
+        dest_row."""
+        end = unit_start + count
+        if not 0 <= unit_start <= end <= self.num_units:
+            raise ValueError(f"units [{unit_start}, {end}) outside [0, {self.num_units})")
+        i = bisect.bisect_right(self.starts, unit_start) - 1
+        u = unit_start
+        while u < end:
+            stop = min(self.starts[i + 1], end)
+            yield u - unit_start, stop - unit_start, self.rows[i] + u - self.starts[i]
+            u = stop
+            i += 1
 
 
-def spans(unit_start: int, count: int, n: int) -> Iterator[Span]:
-    """Split units [unit_start, unit_start + count) of rows of `n` into head/body/tail."""
-    u, end = unit_start, unit_start + count
-    if u % n and u < end:  # head: finish the row we start inside
-        take = min(n - u % n, end - u)
-        yield Span(u // n, u // n + 1, u % n, u % n + take, u - unit_start, u - unit_start + take)
-        u += take
-    full = (end - u) // n
-    if full:  # body: whole rows
-        yield Span(u // n, u // n + full, 0, n, u - unit_start, u - unit_start + full * n)
-        u += full * n
-    if u < end:  # tail: the start of the last row
-        yield Span(u // n, u // n + 1, 0, end - u, u - unit_start, end - unit_start)
+def unit_rows(t: torch.Tensor) -> torch.Tensor | np.ndarray | None:
+    """A contiguous tensor [..., bs, kvh, d] as rows of unit bytes (numpy on CPU: its
+    slice assignment is a plain memcpy with less per-call cost than torch's copy_), or
+    None when it is not contiguous (the per-unit fallback)."""
+    if not t.is_contiguous():
+        return None
+    unit_bytes = t[(0,) * (t.ndim - 3)].numel() * t.element_size()
+    rows = t.view(-1).view(torch.uint8).view(-1, unit_bytes)  # dtype-agnostic: bf16 as bytes
+    return rows.numpy() if t.device.type == "cpu" else rows
+
+
+def _copy_runs(
+    rows: torch.Tensor | np.ndarray, row_map: RowMap, unit_start: int, data: torch.Tensor
+) -> None:
+    """data [k, bs, kvh, d] (units unit_start..) into `rows`, one copy per run."""
+    k = data.shape[0]
+    units = data.contiguous().view(-1).view(torch.uint8).view(k, -1)  # [k, unit bytes]
+    if isinstance(rows, np.ndarray):
+        src = units.numpy()
+        for a, b, row in row_map.pieces(unit_start, k):
+            rows[row : row + b - a] = src[a:b]
+    else:
+        for a, b, row in row_map.pieces(unit_start, k):
+            rows[row : row + b - a].copy_(units[a:b])
 
 
 class TensorSink:
-    """Writes a transfer into `out`: [L, 2, n, block_size, kvh, head_dim] (a view is fine)."""
+    """Writes a transfer into `out`: [n, L, 2, block_size, kvh, head_dim] (a view is fine)."""
 
     def __init__(self, out: torch.Tensor) -> None:
-        if out.ndim != 6 or out.shape[1] != 2:
+        if out.ndim != 6 or out.shape[2] != 2:
             raise ValueError(
-                f"out must be [L, 2, n, block_size, kvh, head_dim], got {tuple(out.shape)}"
+                f"out must be [n, L, 2, block_size, kvh, head_dim], got {tuple(out.shape)}"
             )
         self.out = out
-        self.n = out.shape[2]
+        self._rows = unit_rows(out)
+        n, L = out.shape[:2]
+        self._map = RowMap(range(n), 2 * L, 2 * L)  # out's rows are the units: one run
 
     def bind(self, header: ChunkHeader) -> None:
         if tuple(self.out.shape) != header.transfer_shape:
@@ -71,63 +123,56 @@ class TensorSink:
 
     def write_units(self, unit_start: int, data: torch.Tensor) -> None:
         data = data.to(self.out.device)
-        if self.out.is_contiguous():
-            flat = self.out.view(-1, *self.out.shape[3:])  # [L * 2 * n, bs, kvh, d]
-            flat[unit_start : unit_start + data.shape[0]].copy_(data)
+        if self._rows is not None:
+            _copy_runs(self._rows, self._map, unit_start, data)
             return
-        for s in spans(unit_start, data.shape[0], self.n):
-            part = data[s.data_start : s.data_end].view(
-                s.row_end - s.row_start, -1, *data.shape[1:]
-            )
-            for i, r in enumerate(range(s.row_start, s.row_end)):
-                self.out[r // 2, r % 2, s.pos_start : s.pos_end].copy_(part[i])
+        R = self._map.units_per_block  # a strided view: unit by unit
+        for j, u in enumerate(range(unit_start, unit_start + data.shape[0])):
+            p, r = divmod(u, R)
+            self.out[p, r // 2, r % 2].copy_(data[j])
 
 
 class CacheSink:
     """Writes a transfer straight into a paged KV cache, at the receiver's block ids.
 
-    kv: [num_layers, 2, num_blocks, block_size, kvh, head_dim], the whole cache
-    (`KVCache.kv`); transfer block position i lands in block `dst_block_ids[i]` of the
-    transfer's layers. One copy from the receive buffer into the cache, no staging.
+    kv: [num_blocks, num_layers, 2, block_size, kvh, head_dim], the whole block-major
+    cache (`KVCache.kv`); transfer block position i lands in block `dst_block_ids[i]`
+    of the transfer's layers. One copy from the receive buffer into the cache, no
+    staging.
 
-    Every unit is one contiguous run of bytes in the cache, so the cache is viewed as
-    rows of unit bytes and a chunk is written with one row scatter over precomputed row
-    numbers (dtype-agnostic: bf16 moves as bytes). On CPU the scatter is numpy's
-    fancy-index assignment, which copies each row with memcpy: ~6 GB/s here, where
-    torch's `index_copy_` managed ~4 GB/s and scattering fp16 elements along the block
-    dimension ~2 GB/s. On a GPU it is `index_copy_`.
+    The cache is viewed as rows of unit bytes ([num_blocks * num_layers * 2, unit
+    bytes], dtype-agnostic: bf16 moves as bytes) and each chunk is written as runs of
+    consecutive rows (`RowMap`), one copy each: on CPU numpy slice assignment
+    (memcpy), on a GPU `copy_` from the chunk moved to the device once. A strided
+    (non-contiguous) cache falls back to one copy per unit.
     """
 
     def __init__(self, kv: torch.Tensor, dst_block_ids: Sequence[int]) -> None:
-        if kv.ndim != 6 or kv.shape[1] != 2:
+        if kv.ndim != 6 or kv.shape[2] != 2:
             raise ValueError(
-                f"kv must be [L, 2, num_blocks, block_size, kvh, head_dim], got {tuple(kv.shape)}"
+                f"kv must be [num_blocks, L, 2, block_size, kvh, head_dim], got {tuple(kv.shape)}"
             )
         ids = [int(b) for b in dst_block_ids]
-        bad = [b for b in ids if not 0 <= b < kv.shape[2]]
+        bad = [b for b in ids if not 0 <= b < kv.shape[0]]
         if bad:
-            raise ValueError(f"destination block ids {bad} out of range [0, {kv.shape[2]})")
+            raise ValueError(f"destination block ids {bad} out of range [0, {kv.shape[0]})")
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate destination block ids in {ids}")
         self.kv = kv
-        self.ids = torch.tensor(ids, dtype=torch.long, device=kv.device)
+        self.ids = ids
         self.n = len(ids)
         self.layer_start = 0
-        unit_bytes = kv[0, 0, 0].numel() * kv.element_size()
-        # kv as [L * 2 * num_blocks, unit bytes]: (layer, t, block) is row
-        # (2 * layer + t) * num_blocks + block
-        rows = kv.view(-1).view(torch.uint8).view(-1, unit_bytes) if kv.is_contiguous() else None
-        self._rows = rows.numpy() if rows is not None and kv.device.type == "cpu" else rows
-        self._index: torch.Tensor | np.ndarray | None = None  # cache row of each unit
+        self._rows = unit_rows(kv)
+        self._map: RowMap | None = None  # set by bind: depends on the layer range
 
     def bind(self, header: ChunkHeader) -> None:
         if header.num_blocks != self.n:
             raise ValueError(
                 f"transfer has {header.num_blocks} blocks, {self.n} destination ids given"
             )
-        if header.num_layers != self.kv.shape[0]:
+        if header.num_layers != self.kv.shape[1]:
             raise ValueError(
-                f"sender's model has {header.num_layers} layers, this cache {self.kv.shape[0]}"
+                f"sender's model has {header.num_layers} layers, this cache {self.kv.shape[1]}"
             )
         if header.unit_shape != tuple(self.kv.shape[3:]):
             raise ValueError(
@@ -136,26 +181,19 @@ class CacheSink:
         if header.dtype != self.kv.dtype:
             raise ValueError(f"sender's KV is {header.dtype}, this cache is {self.kv.dtype}")
         self.layer_start = header.layer_start
-        rows = torch.arange(2 * header.layer_start, 2 * header.layer_end, device=self.kv.device)
-        # unit u = row * n + position  ->  cache row (2 * layer_start + row) * NB + ids[position]
-        index = (rows[:, None] * self.kv.shape[2] + self.ids[None, :]).reshape(-1)
-        self._index = index.numpy() if isinstance(self._rows, np.ndarray) else index
+        # unit (p, row) -> cache row ids[p] * 2 * num_layers + 2 * layer_start + row
+        stride = 2 * self.kv.shape[1]
+        self._map = RowMap(self.ids, header.units_per_block, stride, 2 * header.layer_start)
 
     def write_units(self, unit_start: int, data: torch.Tensor) -> None:
+        if self._map is None:
+            raise RuntimeError("CacheSink.write_units before bind")
         data = data.to(self.kv.device, non_blocking=True)
-        k = data.shape[0]
-        if self._rows is not None and self._index is not None:
-            units = data.contiguous().view(-1).view(torch.uint8).view(k, -1)  # [k, unit bytes]
-            where = self._index[unit_start : unit_start + k]
-            if isinstance(self._rows, np.ndarray):
-                self._rows[where] = units.numpy()
-            else:
-                self._rows.index_copy_(0, where, units)
+        if self._rows is not None:
+            _copy_runs(self._rows, self._map, unit_start, data)
             return
-        base = 2 * self.layer_start  # non-contiguous cache: per row of the transfer
-        for s in spans(unit_start, k, self.n):
-            part = data[s.data_start : s.data_end].view(
-                s.row_end - s.row_start, -1, *data.shape[1:]
-            )
-            for i, r in enumerate(range(base + s.row_start, base + s.row_end)):
-                self.kv[r // 2, r % 2].index_copy_(0, self.ids[s.pos_start : s.pos_end], part[i])
+        R = self._map.units_per_block  # a strided cache: unit by unit
+        for j, u in enumerate(range(unit_start, unit_start + data.shape[0])):
+            p, r = divmod(u, R)
+            layer = self.layer_start + r // 2
+            self.kv[self.ids[p], layer, r % 2].copy_(data[j])

@@ -7,8 +7,12 @@ in private memory. From then on the segment is independent of the cache: the wor
 may keep the blocks (prefix cache) or free them; the lease only holds the segment.
 For a cache on a GPU this copy is the device-to-host copy any transfer needs.
 
-The copy is done chunk by chunk, each chunk's CRC computed on a helper thread while
-the next chunk is gathered (both release the GIL), so exporting costs about one copy.
+The segment's payload is the transfer's block-major order ([n, L, 2, bs, kvh, d],
+wire.py), and the cache is block-major too, so a block (every layer's K and V) is one
+contiguous run on both sides: the gather is one memcpy per block (per run of
+consecutive block ids). It is done chunk by chunk, each chunk's CRC computed on a
+helper thread while the next chunk is gathered (both release the GIL), so exporting
+costs about one copy.
 
 A lease ends by `release` (the puller is done), by expiry (`expire()`, called from the
 worker's loop; `get` also refuses an expired lease), or by `close`. Its segment is
@@ -70,7 +74,7 @@ from pagedserve.kvtransfer.segment import (
     parse_segment,
     segment_name,
 )
-from pagedserve.kvtransfer.sinks import spans
+from pagedserve.kvtransfer.sinks import RowMap, unit_rows
 from pagedserve.kvtransfer.wire import (
     DEFAULT_MAX_CHUNK_BYTES,
     ChunkHeader,
@@ -79,7 +83,7 @@ from pagedserve.kvtransfer.wire import (
     checksum_kind,
     chunk_headers,
     encode_chunks,
-    encode_header,
+    encode_headers,
     frame_kvchunk,
     header_size,
     payload_range,
@@ -113,7 +117,7 @@ class StagedBlocks:
 
     handle: ExportedKV
     segment: SegmentView
-    payload: torch.Tensor  # [L, 2, n, block_size, kvh, head_dim], a view of the segment
+    payload: torch.Tensor  # [n, L, 2, block_size, kvh, head_dim], a view of the segment
     expires_at: float  # on the source's clock
     max_chunk_bytes: int  # chunk size the segment was cut with
     checksum: str | None  # checksum kind of the chunks (None = the default)
@@ -153,7 +157,9 @@ class StagedBlocks:
         if whole and chunk == self.max_chunk_bytes:
             return ((raw, self.segment.chunk_payload(h)) for h, raw in self.segment.headers)
         pos = torch.tensor(positions_of(self.handle.block_ids, ids), dtype=torch.long)
-        sub = self.payload[l0:l1].index_select(2, pos)  # [l1 - l0, 2, len(ids), bs, kvh, d]
+        # one gather: [len(ids), l1 - l0, 2, bs, kvh, d], contiguous (a block's layer
+        # range is one contiguous run of the segment)
+        sub = self.payload[:, l0:l1].index_select(0, pos)
         encoded = encode_chunks(
             sub,
             block_ids=ids,
@@ -246,7 +252,7 @@ class KVSource:
 
     def export(
         self,
-        kv: torch.Tensor,  # [num_layers, 2, num_blocks, block_size, kvh, head_dim]
+        kv: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, kvh, head_dim]
         block_ids: Sequence[int],
         *,
         num_tokens: int,
@@ -266,10 +272,10 @@ class KVSource:
             raise ValueError(f"ttl_s must be > 0, got {ttl}")
         layout = KVLayout.of_cache(kv)
         ids = tuple(int(b) for b in block_ids)
-        bad = [b for b in ids if not 0 <= b < kv.shape[2]]
+        bad = [b for b in ids if not 0 <= b < kv.shape[0]]
         if not ids or bad or len(set(ids)) != len(ids):
             raise ValueError(
-                f"block ids must be distinct ids in [0, {kv.shape[2]}), at least one; "
+                f"block ids must be distinct ids in [0, {kv.shape[0]}), at least one; "
                 f"got {list(ids)}"
             )
         bs = layout.block_size
@@ -346,7 +352,7 @@ class KVSource:
         try:
             flat = buf.flat
             flat[:SEGMENT_HEADER_BYTES] = bytes(SEGMENT_HEADER_BYTES)  # "being written"
-            shape = (layout.num_layers, 2, len(ids), *layout.unit_shape)
+            shape = (len(ids), layout.num_layers, 2, *layout.unit_shape)
             payload = tensor_view(flat[seg.payload_offset : seg.total_len], kv.dtype, shape)
             sealed = _gather_and_seal(
                 kv, ids, payload, flat[seg.payload_offset : seg.total_len], headers
@@ -547,44 +553,39 @@ def _capacity(size: int) -> int:
 
 
 def _gather_and_seal(
-    kv: torch.Tensor,  # [L, 2, num_blocks, bs, kvh, d], the cache
+    kv: torch.Tensor,  # [num_blocks, L, 2, bs, kvh, d], the block-major cache
     ids: tuple[int, ...],
-    payload: torch.Tensor,  # [L, 2, n, bs, kvh, d], a view of `data`
+    payload: torch.Tensor,  # [n, L, 2, bs, kvh, d], a view of `data`
     data: memoryview,
     headers: list[ChunkHeader],
 ) -> list[bytes]:
-    """payload[l, t, i] = kv[l, t, ids[i]], chunk by chunk; returns the sealed headers.
+    """payload[i] = kv[ids[i]], chunk by chunk; returns the sealed headers.
 
-    A slow checksum (CRC-32) runs on the helper thread while the next chunk is gathered.
+    On a contiguous CPU cache each chunk's units are gathered right before it is
+    sealed, as runs of consecutive cache rows (`RowMap`: a whole block, every layer,
+    is one memcpy; consecutive ids merge), so a slow checksum (CRC-32, on the helper
+    thread) overlaps the next chunk's gather. A GPU cache is gathered on the device
+    and copied to the host at once (one device-to-host copy), then sealed.
     """
-    index = torch.tensor(ids, dtype=torch.long, device=kv.device)
-    chunkwise = kv.device.type == "cpu" and kv.is_contiguous()
-    if not chunkwise:  # a GPU cache: gather on the device, one device-to-host copy
-        payload.copy_(kv.index_select(2, index))
-    src_rows = kv.view(-1, *kv.shape[2:])  # [L * 2, num_blocks, bs, kvh, d]
-    dst_rows = payload.view(-1, *payload.shape[2:])  # [L * 2, n, bs, kvh, d]
-    futures = []
-    for h in headers:
-        if chunkwise:
-            for s in spans(h.unit_start, h.unit_count, len(ids)):
-                torch.index_select(
-                    src_rows[s.row_start : s.row_end],
-                    1,
-                    index[s.pos_start : s.pos_end],
-                    out=dst_rows[s.row_start : s.row_end, s.pos_start : s.pos_end],
-                )
-        sealing = (seal, encode_header(h), data[payload_range(h)])
+    src = unit_rows(kv) if kv.device.type == "cpu" else None
+    dst = unit_rows(payload)
+    if src is None or dst is None:
+        index = torch.tensor(ids, dtype=torch.long, device=kv.device)
+        payload.copy_(kv.index_select(0, index))
+    else:
+        units_per_block = 2 * kv.shape[1]
+        row_map = RowMap(ids, units_per_block, units_per_block)
+    sealed: list[bytes | Future] = []
+    for h, raw in zip(headers, encode_headers(headers), strict=True):
+        if src is not None and dst is not None:
+            u0 = h.unit_start
+            for a, b, row in row_map.pieces(u0, h.unit_count):
+                dst[u0 + a : u0 + b] = src[row : row + b - a]
         if slow_checksum(h.checksum_kind):
-            futures.append(checksum_executor().submit(*sealing))
-        else:
-            futures.append(_done(seal(*sealing[1:])))
-    return [f.result()[0] for f in futures]
-
-
-def _done(value: object) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
+            sealed.append(checksum_executor().submit(seal, raw, data[payload_range(h)]))
+        else:  # XXH3 of a chunk just written (in cache): cheaper than a hand-off
+            sealed.append(seal(raw, data[payload_range(h)])[0])
+    return [s.result()[0] if isinstance(s, Future) else s for s in sealed]
 
 
 def _unlink_all(paths: set[Path]) -> None:

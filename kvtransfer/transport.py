@@ -1,7 +1,7 @@
 """The receiving side: pull exported blocks into your own, behind one interface.
 
     transport.pull_into(handle, CacheSink(cache.kv, my_block_ids), block_ids=missing)
-    blocks = transport.pull(handle)          # [L, 2, n, block_size, kvh, head_dim]
+    blocks = transport.pull(handle)          # [n, L, 2, block_size, kvh, head_dim]
 
 `handle` is the exporter's `ExportedKV` (from a KVHandle). `block_ids` names which of
 its blocks to pull, by the exporter's ids (default: all, in handle order); `layers` a
@@ -28,6 +28,7 @@ forced by `mode`), and falls back to gRPC when the segment is not visible here.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -43,7 +44,13 @@ import grpc
 import torch
 
 from pagedserve.kvtransfer.handle import ExportedKV, local_host_id
-from pagedserve.kvtransfer.segment import SHM_DIR, lease_segment_path, open_shm, parse_segment
+from pagedserve.kvtransfer.segment import (
+    SHM_DIR,
+    MappingCache,
+    SegmentView,
+    lease_segment_path,
+    parse_segment,
+)
 from pagedserve.kvtransfer.sinks import TensorSink
 from pagedserve.kvtransfer.source import SERVICE_NAME, positions_of
 from pagedserve.kvtransfer.stats import PullRecord, TransferStats, failure_cause
@@ -134,10 +141,10 @@ class KVTransport(ABC):
         *,
         timeout: float | None = None,
     ) -> torch.Tensor:
-        """The blocks as a new tensor [L, 2, n, block_size, kvh, head_dim]."""
+        """The blocks as a new tensor [n, L, 2, block_size, kvh, head_dim]."""
         spec = request_spec(handle, block_ids, layers)
         lay = handle.layout
-        shape = (spec.layer_end - spec.layer_start, 2, len(spec.block_ids), *lay.unit_shape)
+        shape = (len(spec.block_ids), spec.layer_end - spec.layer_start, 2, *lay.unit_shape)
         out = torch.empty(shape, dtype=lay.dtype)
         self.pull_into(handle, TensorSink(out), block_ids, layers, timeout=timeout)
         return out
@@ -151,9 +158,18 @@ class ShmTransport(KVTransport):
 
     name = "shm"
 
-    def __init__(self, shm_dir: Path = SHM_DIR, *, overlap: bool | None = None) -> None:
+    def __init__(
+        self,
+        shm_dir: Path = SHM_DIR,
+        *,
+        overlap: bool | None = None,
+        max_mapped_bytes: int = 256 << 20,
+    ) -> None:
+        """max_mapped_bytes: exporters' segment files kept mapped between pulls
+        (segment.MappingCache); 0 maps every pull afresh."""
         self.shm_dir = Path(shm_dir)
         self.overlap = overlap  # checksums on the helper thread (see ChunkAssembler)
+        self.mappings = MappingCache(max_mapped_bytes)
 
     def pull_into(self, handle, sink, block_ids=None, layers=None, *, timeout=None) -> PullResult:
         spec = request_spec(handle, block_ids, layers)
@@ -165,7 +181,7 @@ class ShmTransport(KVTransport):
         # rule, for this lease, inside shm_dir is ever opened (ValueError otherwise).
         path = lease_segment_path(self.shm_dir, handle.shm_name, handle.lease_id)
         try:
-            mapping = open_shm(path)
+            mapping = self.mappings.open(path)
         except FileNotFoundError:
             raise LeaseNotFoundError(
                 f"segment {handle.shm_name} of lease {handle.lease_id!r} is gone "
@@ -192,12 +208,18 @@ class ShmTransport(KVTransport):
             raise LeaseNotFoundError(f"lease {handle.lease_id!r} ended during the pull")
         return result
 
+    def close(self) -> None:
+        """Drop the kept mappings (pulls in progress keep theirs until done)."""
+        self.mappings.close()
+
     def _pull_whole(self, segment, sink, spec) -> PullResult:
         """Every chunk as staged: copy it, its checksum verified alongside."""
+        units = _units_of(segment)  # one tensor over the payload, sliced per chunk
         asm = ChunkAssembler(sink, spec, overlap=self.overlap)
         try:
-            for header, raw in segment.headers:
-                asm.add(raw, segment.chunk_payload(header))
+            for header, raw in segment.headers:  # decoded and validated by parse_segment
+                data = units[header.unit_start : header.unit_start + header.unit_count]
+                asm.add_decoded(header, raw, segment.chunk_payload(header), data)
             first = asm.finish()
         except BaseException:
             asm.abort()
@@ -212,29 +234,53 @@ class ShmTransport(KVTransport):
         )
 
     def _pull_part(self, segment, first: ChunkHeader, sink, spec: TransferSpec) -> PullResult:
-        """Some blocks or layers: verify the chunks holding them, then copy those rows."""
-        n_all = first.num_blocks
-        lo, hi = 2 * spec.layer_start * n_all, 2 * spec.layer_end * n_all  # unit range
+        """Some blocks or layers: verify the chunks holding them, then copy those runs.
+
+        The segment is block-major: layers [l0, l1) of staged block position p are
+        units [p * R + 2 * l0, p * R + 2 * l1) (R = 2 * num_layers), one contiguous
+        run, so each wanted block is one copy (a run of consecutive positions over
+        every layer, e.g. the suffix a prefix hit leaves, is one copy in all).
+        """
+        positions = positions_of(first.block_ids, spec.block_ids)
+        R = first.units_per_block
+        lo, hi = 2 * spec.layer_start, 2 * spec.layer_end
+        wanted = sorted((p * R + lo, p * R + hi) for p in positions)  # disjoint unit ranges
+        ends = [e for _, e in wanted]
         for header, raw in segment.headers:
-            if header.unit_start < hi and header.unit_start + header.unit_count > lo:
+            start, end = header.unit_start, header.unit_start + header.unit_count
+            i = bisect.bisect_right(ends, start)  # first wanted range ending after `start`
+            if i < len(wanted) and wanted[i][0] < end:
                 verify(header, raw, segment.chunk_payload(header))
         sub_header = _sub_header(first, spec)
         spec.check(sub_header)
         sink.bind(sub_header)
-        payload = tensor_view(segment.payload, first.dtype, first.transfer_shape)
-        positions = positions_of(first.block_ids, spec.block_ids)
+        payload = _units_of(segment).view(first.transfer_shape)
+        unit_shape = first.unit_shape
+        per_block = hi - lo
+        i = 0
+        while i < len(positions):
+            j = i + 1  # positions[i:j]: consecutive staged blocks, one copy over all layers
+            while per_block == R and j < len(positions) and positions[j] == positions[j - 1] + 1:
+                j += 1
+            p = positions[i]
+            data = payload[p : p + j - i, spec.layer_start : spec.layer_end]  # contiguous
+            sink.write_units(i * per_block, data.reshape(-1, *unit_shape))
+            i = j
         n = len(positions)
-        contiguous = positions == list(range(positions[0], positions[0] + n))
-        index = torch.tensor(positions)
-        for row in range(2 * (spec.layer_end - spec.layer_start)):
-            layer, kv = spec.layer_start + row // 2, row % 2
-            if contiguous:  # a run of blocks (e.g. the suffix a prefix hit leaves): a view
-                data = payload[layer, kv, positions[0] : positions[0] + n]
-            else:
-                data = payload[layer, kv].index_select(0, index)
-            sink.write_units(row * n, data)
         nbytes = sub_header.num_units * sub_header.unit_bytes
         return PullResult("shm", n, spec.layer_start, spec.layer_end, nbytes, len(segment.headers))
+
+
+def _units_of(segment: SegmentView) -> torch.Tensor:
+    """The segment's payload as units [num_units, bs, kvh, d] of its first chunk's
+    transfer; KVTransferError when the payload's length does not match that transfer."""
+    first = segment.headers[0][0]
+    if len(segment.payload) != first.num_units * first.unit_bytes:
+        raise KVTransferError(
+            f"KV segment payload is {len(segment.payload)} bytes, its transfer "
+            f"{first.transfer_shape} needs {first.num_units * first.unit_bytes}"
+        )
+    return tensor_view(segment.payload, first.dtype, (first.num_units, *first.unit_shape))
 
 
 def _sub_header(first: ChunkHeader, spec: TransferSpec) -> ChunkHeader:

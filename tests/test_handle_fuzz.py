@@ -70,7 +70,7 @@ SPEC = TransferSpec(SRC_IDS, 0, L, torch.float16, (BS, KVH, HD))
 
 def _blocks() -> torch.Tensor:
     g = torch.Generator().manual_seed(11)
-    return torch.randn(L, 2, len(SRC_IDS), BS, KVH, HD, generator=g).to(torch.float16)
+    return torch.randn(len(SRC_IDS), L, 2, BS, KVH, HD, generator=g).to(torch.float16)
 
 
 BLOCKS = _blocks()
@@ -95,9 +95,9 @@ MESSAGES = {kind: _messages(kind) for kind in ("crc32", "xxh3")}
 def _receive(messages: list[bytes]) -> tuple[torch.Tensor, KVTransferError | None]:
     """Feeds `messages` to a fresh assembler over a canary cache, as a pull does; returns
     the cache and the error (None: the transfer completed). Any other exception fails."""
-    cache = torch.randn(L, 2, NB, BS, KVH, HD, generator=torch.Generator().manual_seed(3))
+    cache = torch.randn(NB, L, 2, BS, KVH, HD, generator=torch.Generator().manual_seed(3))
     cache = cache.to(torch.float16)
-    before = cache[:, :, OTHERS].clone()
+    before = cache[OTHERS].clone()
     asm = ChunkAssembler(CacheSink(cache, TARGET), SPEC)
     error = None
     try:
@@ -108,7 +108,7 @@ def _receive(messages: list[bytes]) -> tuple[torch.Tensor, KVTransferError | Non
         asm.abort()
         error = e
         assert str(e), "a refusal names what is wrong"
-    assert torch.equal(cache[:, :, OTHERS].view(torch.int16), before.view(torch.int16)), (
+    assert torch.equal(cache[OTHERS].view(torch.int16), before.view(torch.int16)), (
         "a write landed outside the transfer's destination blocks"
     )
     return cache, error
@@ -116,7 +116,7 @@ def _receive(messages: list[bytes]) -> tuple[torch.Tensor, KVTransferError | Non
 
 def _assert_exact_if_complete(cache: torch.Tensor, error: KVTransferError | None) -> None:
     if error is None:
-        got = cache[:, :, TARGET].view(torch.int16)
+        got = cache[TARGET].view(torch.int16)
         assert torch.equal(got, BLOCKS.view(torch.int16)), "a completed pull must be exact"
 
 

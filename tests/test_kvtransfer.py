@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import importlib.util
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -30,7 +31,7 @@ from pagedserve.kvtransfer.segment import (
     remove_stale_segments,
     segment_name,
 )
-from pagedserve.kvtransfer.sinks import CacheSink, TensorSink, spans
+from pagedserve.kvtransfer.sinks import CacheSink, RowMap, TensorSink, _copy_runs, unit_rows
 from pagedserve.kvtransfer.source import (
     SERVICE_NAME,
     KVSource,
@@ -56,6 +57,7 @@ from pagedserve.kvtransfer.wire import (
     encode_header,
     frame_kvchunk,
     plan_chunks,
+    seal,
     unframe_kvchunk,
 )
 from pagedserve.v1 import kvtransfer_pb2, kvtransfer_pb2_grpc
@@ -73,7 +75,7 @@ UNIT_ELEMS = BS * KVH * HD  # elements of one block of one layer's K or V
 def make_cache(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     bits = torch.randint(
-        -(2**15), 2**15, (L, 2, NB, BS, KVH, HD * dtype.itemsize // 2), generator=g
+        -(2**15), 2**15, (NB, L, 2, BS, KVH, HD * dtype.itemsize // 2), generator=g
     )
     return bits.to(torch.int16).view(dtype)  # random bit patterns, NaNs and infs included
 
@@ -170,26 +172,39 @@ def test_plan_chunks_rejects_a_unit_larger_than_a_chunk():
         plan_chunks(1, 1, 0)
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 5])
-def test_spans_cover_every_unit_once_in_order(n):
-    total = 2 * 3 * n
+@pytest.mark.parametrize(
+    ("ids", "per_block", "stride", "offset"),
+    [
+        ([0, 1, 2], 8, 8, 0),  # a tensor's own rows: one run
+        ([3, 4, 9, 10, 11, 0], 8, 8, 0),  # consecutive ids merge: runs 3-4, 9-11, 0
+        ([5, 2, 7], 4, 8, 2),  # a layer range: every block is its own run
+        ([6, 7, 1], 4, 8, 4),  # ... even with consecutive ids (the rows do not touch)
+        ([1], 2, 8, 6),
+    ],
+)
+def test_row_map_pieces_send_every_unit_to_its_row_once(ids, per_block, stride, offset):
+    row_map = RowMap(ids, per_block, stride, offset)
+    total = len(ids) * per_block
+    expected = [ids[u // per_block] * stride + offset + u % per_block for u in range(total)]
     for start in range(total):
         for count in range(1, total - start + 1):
-            covered = []
-            for s in spans(start, count, n):
-                for r in range(s.row_start, s.row_end):
-                    covered += [r * n + p for p in range(s.pos_start, s.pos_end)]
-                assert s.data_end - s.data_start == (s.row_end - s.row_start) * (
-                    s.pos_end - s.pos_start
-                )
-            assert covered == list(range(start, start + count))
+            got = []
+            for a, b, row in row_map.pieces(start, count):
+                assert 0 <= a < b <= count
+                got += [(a + i, row + i) for i in range(b - a)]
+            assert got == [(i, expected[start + i]) for i in range(count)]
+    # fewest copies: a run ends only where the destination rows stop being consecutive
+    breaks = sum(expected[u] != expected[u - 1] + 1 for u in range(1, total))
+    assert len(list(row_map.pieces(0, total))) == breaks + 1
+    with pytest.raises(ValueError, match="outside"):
+        list(row_map.pieces(total - 1, 2))
 
 
 @pytest.mark.parametrize("checksum", CHECKSUMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("units_per_chunk", [1, 3, 7, 100])
 def test_chunks_reassemble_bit_exact(dtype, units_per_chunk, checksum):
-    blocks = make_cache(dtype)[:, :, :5].contiguous()  # [L, 2, 5, ...]
+    blocks = make_cache(dtype)[:5].contiguous()  # [5, L, 2, ...]
     unit_bytes = UNIT_ELEMS * dtype.itemsize
     chunks = list(
         encode_chunks(
@@ -215,7 +230,7 @@ def test_chunks_reassemble_bit_exact(dtype, units_per_chunk, checksum):
 
 
 def _chunks(dtype=torch.float16, request_id="r", ids=(0, 1, 2), checksum=None):
-    blocks = make_cache(dtype)[:, :, : len(ids)].contiguous()
+    blocks = make_cache(dtype)[: len(ids)].contiguous()
     return blocks, list(
         encode_chunks(
             blocks,
@@ -328,29 +343,29 @@ def test_kvchunk_framing_is_the_protobuf_message():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cache_sink_writes_only_the_destination_blocks(dtype):
     blocks, chunks = _chunks(dtype, ids=(0, 1, 2))
-    cache = torch.zeros(L, 2, NB, BS, KVH, HD, dtype=dtype)
+    cache = torch.zeros(NB, L, 2, BS, KVH, HD, dtype=dtype)
     asm = ChunkAssembler(CacheSink(cache, [9, 0, 5]))
     for c in chunks:
         asm.add(c.header_bytes, c.payload)
     asm.finish()
-    assert_bit_equal(cache[:, :, [9, 0, 5]], blocks)
+    assert_bit_equal(cache[[9, 0, 5]], blocks)
     others = [b for b in range(NB) if b not in (9, 0, 5)]
-    assert not bits(cache[:, :, others]).any()
+    assert not bits(cache[others]).any()
 
 
 def test_sinks_write_into_non_contiguous_views():
     blocks, chunks = _chunks(torch.bfloat16, ids=(0, 1, 2))
-    wide = torch.zeros(L, 2, NB, BS, KVH, 2 * HD, dtype=torch.bfloat16)
+    wide = torch.zeros(NB, L, 2, BS, KVH, 2 * HD, dtype=torch.bfloat16)
     cache = wide[..., :HD]  # a strided view: the per-row fallback path
     assert not cache.is_contiguous()
-    out = torch.zeros(L, 2, 5, BS, KVH, HD, dtype=torch.bfloat16)[:, :, 1:4]
+    out = torch.zeros(3, L, 4, BS, KVH, HD, dtype=torch.bfloat16)[:, :, 1:3]
     assert not out.is_contiguous()
     for sink in (CacheSink(cache, [4, 11, 2]), TensorSink(out)):
         asm = ChunkAssembler(sink)
         for c in chunks:
             asm.add(c.header_bytes, c.payload)
         asm.finish()
-    assert_bit_equal(cache[:, :, [4, 11, 2]], blocks)
+    assert_bit_equal(cache[[4, 11, 2]], blocks)
     assert_bit_equal(out, blocks)
     assert not bits(wide[..., HD:]).any()
 
@@ -359,13 +374,13 @@ def test_cache_sink_refuses_a_mismatched_transfer():
     _, chunks = _chunks(torch.float16, ids=(0, 1))
     cases = [
         (
-            torch.zeros(L, 2, NB, BS, KVH, HD, dtype=torch.float32),
+            torch.zeros(NB, L, 2, BS, KVH, HD, dtype=torch.float32),
             [1, 2],
             "sender's KV is torch.float16",
         ),
-        (torch.zeros(L, 2, NB, BS, KVH, HD, dtype=torch.float16), [1], "2 blocks, 1 destination"),
-        (torch.zeros(L + 1, 2, NB, BS, KVH, HD, dtype=torch.float16), [1, 2], "has 4 layers"),
-        (torch.zeros(L, 2, NB, BS, KVH, 2 * HD, dtype=torch.float16), [1, 2], "blocks are"),
+        (torch.zeros(NB, L, 2, BS, KVH, HD, dtype=torch.float16), [1], "2 blocks, 1 destination"),
+        (torch.zeros(NB, L + 1, 2, BS, KVH, HD, dtype=torch.float16), [1, 2], "has 4 layers"),
+        (torch.zeros(NB, L, 2, BS, KVH, 2 * HD, dtype=torch.float16), [1, 2], "blocks are"),
     ]
     for cache, ids, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -386,7 +401,7 @@ def test_shm_round_trip_bit_exact(source, dtype):
     assert handle.shm_name == segment_name(os.getpid(), handle.lease_id)
     assert (SHM_DIR / handle.shm_name).exists()
     out = ShmTransport().pull(handle)
-    assert_bit_equal(out, cache[:, :, [7, 2, 11]])
+    assert_bit_equal(out, cache[[7, 2, 11]])
     source.release(handle.lease_id)
 
 
@@ -403,7 +418,7 @@ def test_partial_pulls(served, transport, block_ids, layers):
     ids = block_ids or [7, 2, 11]
     l0, l1 = layers or (0, L)
     out = t.pull(handle, block_ids, layers)
-    assert_bit_equal(out, cache[l0:l1][:, :, ids])
+    assert_bit_equal(out, cache[ids][:, l0:l1])
     dst = torch.zeros_like(cache)
     result = t.pull_into(handle, CacheSink(dst, [0, 1, 2][: len(ids)]), block_ids, layers)
     assert (result.transport, result.num_blocks, result.layer_start, result.layer_end) == (
@@ -413,11 +428,11 @@ def test_partial_pulls(served, transport, block_ids, layers):
         l1,
     )
     assert result.payload_bytes == (l1 - l0) * 2 * len(ids) * UNIT_ELEMS * 2
-    assert_bit_equal(dst[l0:l1, :, : len(ids)], cache[l0:l1][:, :, ids])
+    assert_bit_equal(dst[: len(ids), l0:l1], cache[ids][:, l0:l1])
     assert (
-        not bits(dst[:, :, len(ids) :]).any()
-        and not bits(dst[:l0]).any()
-        and not bits(dst[l1:]).any()
+        not bits(dst[len(ids) :]).any()
+        and not bits(dst[:, :l0]).any()
+        and not bits(dst[:, l1:]).any()
     )
 
 
@@ -477,7 +492,7 @@ def test_pooled_segment_is_reused_and_old_handle_stays_dead(source):
     assert source.pooled_bytes == 0 and source.staged_bytes == pooled  # the same buffer
     with pytest.raises(LeaseNotFoundError):
         ShmTransport().pull(first)
-    assert_bit_equal(ShmTransport().pull(second), cache[:, :, [3, 4]])
+    assert_bit_equal(ShmTransport().pull(second), cache[[3, 4]])
     source.release(second.lease_id)
 
 
@@ -588,11 +603,11 @@ def test_grpc_round_trip_bit_exact(served, dtype):
     source, client = served
     cache = make_cache(dtype)
     handle = source.export(cache, [3, 0, 10, 6], num_tokens=16, request_id="req-g")
-    assert_bit_equal(client.pull(handle), cache[:, :, [3, 0, 10, 6]])
+    assert_bit_equal(client.pull(handle), cache[[3, 0, 10, 6]])
     dst = torch.zeros_like(cache)
     result = client.pull_into(handle, CacheSink(dst, [1, 2, 3, 4]))
     assert result.num_chunks == -(-(L * 2 * 4 * UNIT_ELEMS * dtype.itemsize) // 1024)
-    assert_bit_equal(dst[:, :, [1, 2, 3, 4]], cache[:, :, [3, 0, 10, 6]])
+    assert_bit_equal(dst[[1, 2, 3, 4]], cache[[3, 0, 10, 6]])
     source.release(handle.lease_id)
 
 
@@ -640,7 +655,7 @@ def test_generated_stub_reads_the_stream(served):
     source, _ = served
     cache = make_cache(torch.bfloat16)
     handle = source.export(cache, [5, 8], num_tokens=8)
-    out = torch.empty(L, 2, 2, BS, KVH, HD, dtype=torch.bfloat16)
+    out = torch.empty(2, L, 2, BS, KVH, HD, dtype=torch.bfloat16)
     asm = ChunkAssembler(TensorSink(out))
     with grpc.insecure_channel(source.transfer_address) as channel:
         for msg in kvtransfer_pb2_grpc.KVTransferStub(channel).PullBlocks(
@@ -648,7 +663,7 @@ def test_generated_stub_reads_the_stream(served):
         ):
             asm.add(msg.header, msg.payload)
     assert asm.finish().block_ids == (5, 8)
-    assert_bit_equal(out, cache[:, :, [5, 8]])
+    assert_bit_equal(out, cache[[5, 8]])
     source.release(handle.lease_id)
 
 
@@ -758,7 +773,7 @@ def test_auto_transport_picks_per_handle(served):
     gone = segment_name(999_999_999, handle.lease_id)
     hidden = ExportedKV(**{**handle.__dict__, "shm_name": gone})
     assert auto.pull_into(hidden, CacheSink(dst, [3, 4])).transport == "grpc"
-    assert_bit_equal(dst[:, :, [3, 4]], cache[:, :, [1, 2]])
+    assert_bit_equal(dst[[3, 4]], cache[[1, 2]])
     source.release(handle.lease_id)
     with pytest.raises(LeaseNotFoundError):  # gone for both transports
         auto.pull(handle)
@@ -781,8 +796,8 @@ def test_no_segment_survives_the_exporter_process(tmp_path):
         "import torch\n"
         "from pagedserve.kvtransfer.source import KVSource\n"
         "src = KVSource()\n"
-        "h = src.export(torch.zeros(2, 2, 4, 4, 2, 8), [0, 3], num_tokens=5)\n"
-        "src.release(src.export(torch.zeros(2, 2, 4, 4, 2, 8), [1], num_tokens=1).lease_id)\n"
+        "h = src.export(torch.zeros(4, 2, 2, 4, 2, 8), [0, 3], num_tokens=5)\n"
+        "src.release(src.export(torch.zeros(4, 2, 2, 4, 2, 8), [1], num_tokens=1).lease_id)\n"
         "print(h.shm_name)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -837,15 +852,15 @@ def test_full_tmpfs_stages_privately_and_serves_every_lease(small_tmpfs):
         from pagedserve.kvtransfer.transport import ShmTransport
         shm = Path({str(small_tmpfs)!r})
         g = torch.Generator().manual_seed(0)
-        cache = torch.randn(4, 2, 12, 4, 2, 8, generator=g).to(torch.float16)
+        cache = torch.randn(12, 4, 2, 4, 2, 8, generator=g).to(torch.float16)
         src = KVSource(shm_dir=shm, pool_bytes=0)
         first = src.export(cache, [1, 2], num_tokens=8)  # 1 MiB: all the tmpfs has
         rest = [src.export(cache, [i], num_tokens=4) for i in (3, 4)]
         assert first.shm_name and (shm / first.shm_name).exists()
         assert [h.shm_name for h in rest] == ["", ""] and src.private_fallbacks == 2
-        assert torch.equal(ShmTransport(shm).pull(first), cache[:, :, [1, 2]])
+        assert torch.equal(ShmTransport(shm).pull(first), cache[[1, 2]])
         for h, i in zip(rest, (3, 4)):
-            assert torch.equal(src.get(h.lease_id).payload, cache[:, :, [i]])
+            assert torch.equal(src.get(h.lease_id).payload, cache[[i]])
         src.close()
         assert list(shm.iterdir()) == []
         print("ok")
@@ -890,3 +905,210 @@ def test_staged_bytes_are_capped_and_expired_leases_make_room():
 def test_caps_must_be_positive(cap):
     with pytest.raises(ValueError, match=cap):
         KVSource(use_shm=False, **{cap: 0})
+
+
+# ------------------------------------------------------------------ block-major placement
+
+
+def expected_after_pull(src, src_ids, dst_ids, layers, base):
+    """What moving blocks `src_ids` (layers [l0, l1)) of `src` into `dst_ids` of a cache
+    holding `base` must leave there, built block by block, layer by layer, K and V,
+    with plain indexing: no unit or row arithmetic shared with the code under test."""
+    out = base.clone()
+    l0, l1 = layers
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        for layer in range(l0, l1):
+            for kv in (0, 1):
+                out[d, layer, kv] = src[s, layer, kv]
+    return out
+
+
+def unit_bytes(dtype: torch.dtype) -> int:
+    return UNIT_ELEMS * dtype.itemsize
+
+
+@pytest.mark.parametrize("checksum", CHECKSUMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layers", [(0, L), (1, 3), (3, 4)])
+@pytest.mark.parametrize("units_per_chunk", [1, 3, 5, 8, 13, 100])
+def test_chunks_land_every_block_at_its_destination_id(dtype, layers, units_per_chunk, checksum):
+    src = make_cache(dtype, seed=1)
+    src_ids = [10, 3, 4, 7, 0, 1]
+    dst_ids = [6, 2, 11, 7, 8, 0]  # permuted, some consecutive (7, 8), some not
+    l0, l1 = layers
+    blocks = src[src_ids][:, l0:l1].contiguous()  # what read_blocks + a layer slice gives
+    # never a whole number of units, and (for 3, 5, 13) chunks that start and end
+    # inside a block (a block is 2 * (l1 - l0) units)
+    max_chunk = units_per_chunk * unit_bytes(dtype) + 7
+    chunks = list(
+        encode_chunks(
+            blocks,
+            block_ids=src_ids,
+            num_tokens=len(src_ids) * BS,
+            layer_start=l0,
+            num_layers=L,
+            max_chunk_bytes=max_chunk,
+            checksum=checksum,
+        )
+    )
+    assert {c.header.unit_count for c in chunks[:-1]} <= {units_per_chunk}
+    base = make_cache(dtype, seed=2)  # random, so a stray write shows
+    dst = base.clone()
+    asm = ChunkAssembler(CacheSink(dst, dst_ids))
+    for c in random.Random(units_per_chunk).sample(chunks, len(chunks)):  # any order
+        asm.add(c.header_bytes, c.payload)
+    asm.finish()
+    assert_bit_equal(dst, expected_after_pull(src, src_ids, dst_ids, layers, base))
+    out = torch.zeros(len(src_ids), l1 - l0, 2, BS, KVH, HD, dtype=dtype)
+    asm = ChunkAssembler(TensorSink(out))
+    for c in chunks:
+        asm.add(c.header_bytes, c.payload)
+    asm.finish()
+    assert_bit_equal(out, blocks)
+
+
+def test_a_chunk_is_written_as_runs_of_whole_blocks():
+    """A chunk cut inside blocks is a partial run at each end and whole blocks between
+    (consecutive destination ids over every layer: one run), not unit by unit."""
+    src = make_cache(torch.float16, seed=1)
+    ids = [2, 3, 4, 9]  # destination 5, 6, 7 consecutive: one run of 3 blocks
+    chunks = list(
+        encode_chunks(
+            src[ids].contiguous(),
+            block_ids=ids,
+            num_tokens=4 * BS,
+            max_chunk_bytes=27 * unit_bytes(torch.float16),  # 3 blocks and 3 units
+        )
+    )
+    assert [(c.header.unit_start, c.header.unit_count) for c in chunks] == [(0, 27), (27, 5)]
+    dst = torch.zeros_like(src)
+    sink = CacheSink(dst, [5, 6, 7, 0])
+    asm = ChunkAssembler(sink)
+    for c in chunks:
+        asm.add(c.header_bytes, c.payload)
+    asm.finish()
+    runs = [list(sink._map.pieces(c.header.unit_start, c.header.unit_count)) for c in chunks]
+    # (data start, data end, cache row), one copy each. chunk 0: blocks 5, 6, 7 whole
+    # (24 units, one run) + 3 units of block 0; chunk 1: the rest of block 0
+    assert runs == [[(0, 24, 5 * 2 * L), (24, 27, 0)], [(0, 5, 3)]]
+    assert_bit_equal(dst[[5, 6, 7, 0]], src[ids])
+
+
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+@pytest.mark.parametrize(
+    ("block_ids", "layers"),
+    [
+        (None, None),
+        (None, (1, 3)),
+        ([9, 4, 5], None),  # a permuted subset, 4-5 consecutive in the lease
+        ([4, 5, 2], (0, L)),
+        ([5, 0, 9], (2, 4)),
+        ([2], (3, 4)),
+    ],
+)
+def test_pulls_land_every_block_at_its_destination_id(transport, block_ids, layers):
+    """Export with chunks cut inside blocks (3.4 units), pull with another cut for gRPC
+    (5.4 units, re-chunked by the servicer), into permuted non-contiguous ids."""
+    dtype = torch.bfloat16
+    src_cache = make_cache(dtype, seed=3)
+    lease_ids = [0, 4, 5, 9, 2]
+    src = KVSource(max_chunk_bytes=3 * unit_bytes(dtype) + 50)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    add_kvtransfer_service(server, src)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    src.transfer_address = f"127.0.0.1:{port}"
+    client = GrpcTransport(max_chunk_bytes=5 * unit_bytes(dtype) + 50)
+    try:
+        handle = src.export(src_cache, lease_ids, num_tokens=5 * BS - 1)
+        t = ShmTransport() if transport == "shm" else client
+        ids = block_ids or lease_ids
+        dst_ids = [8, 3, 4, 11, 1][: len(ids)]
+        base = make_cache(dtype, seed=4)
+        dst = base.clone()
+        result = t.pull_into(handle, CacheSink(dst, dst_ids), block_ids, layers)
+        assert result.transport == transport
+        l0, l1 = layers or (0, L)
+        assert_bit_equal(dst, expected_after_pull(src_cache, ids, dst_ids, (l0, l1), base))
+        assert_bit_equal(t.pull(handle, block_ids, layers), src_cache[ids][:, l0:l1])
+    finally:
+        client.close()
+        server.stop(grace=None).wait()
+        src.close()
+
+
+def test_copy_runs_on_torch_rows_as_on_numpy_rows():
+    """The torch branch of the run copy (what a GPU cache uses) places units as the
+    numpy one does: checked here on CPU tensors, on a GPU below when there is one."""
+    src = make_cache(torch.float16, seed=5)
+    ids, dst_ids = [3, 1, 2], [4, 5, 0]
+    blocks = src[ids][:, 1:4].contiguous()
+    row_map = RowMap(dst_ids, 6, 2 * L, 2)
+    units = blocks.view(-1, BS, KVH, HD)
+    base = make_cache(torch.float16, seed=6)
+    as_numpy, as_torch = base.clone(), base.clone()
+    for start, count in [(0, 4), (4, 7), (11, 7)]:
+        _copy_runs(unit_rows(as_numpy), row_map, start, units[start : start + count])
+        rows = as_torch.view(-1).view(torch.uint8).view(-1, UNIT_ELEMS * 2)
+        _copy_runs(rows, row_map, start, units[start : start + count])
+    expected = expected_after_pull(src, ids, dst_ids, (1, 4), base)
+    assert_bit_equal(as_numpy, expected)
+    assert_bit_equal(as_torch, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_export_and_pull_with_caches_on_a_gpu(source):
+    src = make_cache(torch.bfloat16, seed=7).cuda()
+    handle = source.export(src, [6, 1, 2], num_tokens=3 * BS)
+    base = make_cache(torch.bfloat16, seed=8).cuda()
+    dst = base.clone()
+    ShmTransport().pull_into(handle, CacheSink(dst, [0, 10, 11]), None, (1, 4))
+    expected = expected_after_pull(src.cpu(), [6, 1, 2], [0, 10, 11], (1, 4), base.cpu())
+    assert_bit_equal(dst.cpu(), expected)
+    source.release(handle.lease_id)
+
+
+def test_a_version_1_chunk_is_refused():
+    """Version 1 numbered units layer-major: read as version 2 it would put every unit
+    in the wrong place, so a well-formed, correctly sealed v1 chunk is refused."""
+    blocks, chunks = _chunks()
+    raw = bytearray(chunks[0].header_bytes)
+    assert int.from_bytes(raw[4:6], "little") == 2
+    raw[4:6] = (1).to_bytes(2, "little")
+    v1, _ = seal(bytes(raw), chunks[0].payload)
+    with pytest.raises(KVTransferError, match="version 1 not supported"):
+        decode_header(v1)
+    asm = ChunkAssembler(TensorSink(torch.empty_like(blocks)))
+    with pytest.raises(KVTransferError, match="version 1 not supported"):
+        asm.add(v1, chunks[0].payload)
+
+
+def test_shm_puller_keeps_the_mapping_of_a_reused_segment_file():
+    """The exporter's pool hands one file from lease to lease: the puller maps it once,
+    reads each lease's own blocks through it, and lets it go once the file is unlinked."""
+    cache = make_cache(torch.float16)
+    shm = ShmTransport()
+    with KVSource(max_chunk_bytes=1024) as src:
+        for ids in ([1, 2], [5, 6], [9, 3]):
+            handle = src.export(cache, ids, num_tokens=8)
+            assert_bit_equal(shm.pull(handle), cache[ids])
+            src.release(handle.lease_id)  # back to the pool: the next export reuses it
+        assert shm.mappings.maps_total == 1
+        kept = shm.mappings.mapped_bytes
+        assert kept > 0
+    # the source unlinked its files: the next pull (another exporter) drops the mapping
+    with KVSource(max_chunk_bytes=1024) as other:
+        handle = other.export(cache, [4], num_tokens=4)
+        assert_bit_equal(shm.pull(handle), cache[[4]])
+        assert shm.mappings.maps_total == 2
+        assert shm.mappings.mapped_bytes == kept  # only the new file (same capacity)
+        other.release(handle.lease_id)
+    shm.close()
+    assert shm.mappings.mapped_bytes == 0
+    fresh = ShmTransport(max_mapped_bytes=0)  # nothing kept: a map per pull
+    with KVSource(max_chunk_bytes=1024) as src:
+        for ids in ([1], [2]):
+            handle = src.export(cache, ids, num_tokens=4)
+            assert_bit_equal(fresh.pull(handle), cache[ids])
+            src.release(handle.lease_id)
+    assert (fresh.mappings.maps_total, fresh.mappings.mapped_bytes) == (2, 0)

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--no-baseline", action="store_true", help="skip transformers")
     add_on_off(ap, "--kernel", "C attention kernel where it fits (off: the torch path)")
     add_on_off(ap, "--prepack", "oneDNN-prepacked weights (bf16/fp32 on CPU, model.can_prepack)")
-    add_on_off(ap, "--fused", "fused C kernels of the small ops (bf16 on CPU, model.can_fuse)")
+    add_on_off(ap, "--fused", "fused C kernels of the small ops (bf16, fp32 on CPU, model.can_fuse)")
     ap.add_argument("--profile", action="store_true", help="per-op breakdown instead")
     ap.add_argument("--prefill-len", type=int, default=512, help="--profile's prefill step")
     ap.add_argument("--json", help="write the rows as JSON to this path")

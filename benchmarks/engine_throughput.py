@@ -128,7 +128,7 @@ def run_engine(
     model: str | None = None,
 ) -> dict:
     """One engine over the workload. `kernel`/`prepack`/`fused` False turn off the
-    compiled CPU attention kernel / the oneDNN-prepacked weights / the fused bf16
+    compiled CPU attention kernel / the oneDNN-prepacked weights / the fused
     CPU ops (for before/after).
     Its start-up (construction: weights loaded and prepacked, KV cache allocated; then
     the warm-up request) is timed like vLLM's: LLM() plus the same warm-up."""

@@ -16,7 +16,7 @@ Every dtype's model is loaded first and all variants are timed in one
 alternation, so the bf16/fp32 ratio (and, with `--kernel on off`, the compiled
 attention kernel against the torch gather + SDPA path; with `--prepack on off`,
 oneDNN-prepacked bf16 weights against torch's matmul; with `--fused on off`, the
-fused bf16 C kernels of RMSNorm + residual add, SiLU-and-mul and RoPE against
+fused C kernels (bf16, fp32) of RMSNorm + residual add, SiLU-and-mul and RoPE vs
 torch's ops) comes from the same minutes of a shared machine: `vs first` = the
 first row's median / this row's. `--kernel off --prepack off --fused off` is the
 engine as it was before bf16 got any of them.
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--no-baseline", action="store_true", help="skip transformers")
     add_on_off(ap, "--kernel", "C attention kernel where it fits (off: the torch path)")
     add_on_off(ap, "--prepack", "oneDNN-prepacked weights (bf16/fp32 on CPU, model.can_prepack)")
-    add_on_off(ap, "--fused", "fused C kernels of the small ops (bf16 on CPU, model.can_fuse)")
+    add_on_off(ap, "--fused", "fused C kernels of the small ops (CPU, model.can_fuse)")
     ap.add_argument("--profile", action="store_true", help="per-op breakdown instead")
     ap.add_argument("--prefill-len", type=int, default=512, help="--profile's prefill step")
     ap.add_argument("--json", help="write the rows as JSON to this path")

@@ -128,7 +128,7 @@ def run_engine(
     model: str | None = None,
 ) -> dict:
     """One engine over the workload. `kernel`/`prepack`/`fused` False turn off the
-    compiled CPU attention kernel / the oneDNN-prepacked weights / the fused bf16
+    compiled CPU attention kernel / the oneDNN-prepacked weights / the fused
     CPU ops (for before/after).
     Its start-up (construction: weights loaded and prepacked, KV cache allocated; then
     the warm-up request) is timed like vLLM's: LLM() plus the same warm-up."""
@@ -544,7 +544,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_on_off(ap, "--kernel", "C attention kernel")
     add_on_off(ap, "--prepack", "oneDNN bf16 weights")
-    add_on_off(ap, "--fused", "fused bf16 CPU ops (RMSNorm + add, SiLU-and-mul, RoPE)")
+    add_on_off(ap, "--fused", "fused CPU ops, bf16 and fp32 (RMSNorm + add, SiLU-and-mul, RoPE)")
     ap.add_argument(
         "--repeat", type=int, default=1, help="rounds of all engine variants, in alternation"
     )

@@ -1,4 +1,5 @@
-"""The fused bf16 CPU ops (common/core/cpu_ops.c) against the torch formulas they replace.
+"""The fused CPU ops (common/core/cpu_ops.c), bf16 and fp32, against the torch formulas
+they replace.
 
 Each kernel is run on random bf16 inputs (no zeros) of several shapes: rows of 1 and
 many, widths that are and are not multiples of 16 (the AVX-512 path's masked tail),
@@ -43,13 +44,49 @@ SILU_SHAPES = [(1, 1536), (8, 1536), (64, 1536), (9, 37), (3, 1), (130, 1000)]
 ROPE_SHAPES = [(1, 12, 64), (9, 3, 10), (64, 12, 64), (5, 2, 34), (17, 4, 128), (3, 9, 16)]
 MAX_STEPS = 2
 MAX_SHARE = 1 / 20000
+FP32_MAX_ULPS = 8
+DTYPES = [torch.bfloat16, torch.float32]
 
 
-def _rand(g: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
-    """Random bf16 values, none of them zero."""
+def _rand(
+    g: torch.Generator, *shape: int, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Random values (bf16 unless `dtype`), none of them zero."""
     x = torch.randn(*shape, generator=g) * scale
     x = torch.where(x.abs() < 1e-3, torch.full_like(x, 0.5), x)
-    return x.bfloat16()
+    return x.to(dtype)
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many fp32 values apart each pair is (for values of equal sign)."""
+    return (a.view(torch.int32).long() - b.view(torch.int32).long()).abs()
+
+
+def _assert_fp32_near(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """RMSNorm's and SiLU's fp32 tolerance (see the module docstring)."""
+    assert got.dtype == ref.dtype == torch.float32 and got.shape == ref.shape
+    assert torch.equal(got.isnan(), ref.isnan())
+    keep = ~ref.isnan()
+    ulps = _ulps(got[keep], ref[keep])
+    assert int(ulps.max()) <= FP32_MAX_ULPS, f"an element is {int(ulps.max())} ulps off"
+
+
+def _assert_same(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Bit for bit (bf16 or fp32)."""
+    if got.dtype == torch.bfloat16:
+        _assert_bitwise(got, ref)
+    else:
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        n = int((_ulps(got, ref) > 0).sum())
+        assert n == 0, f"{n} of {ref.numel()} elements differ"
+
+
+def _assert_close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """RMSNorm's tolerance for either dtype."""
+    if got.dtype == torch.bfloat16:
+        _assert_near_bitwise(got, ref)
+    else:
+        _assert_fp32_near(got, ref)
 
 
 def _steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -89,91 +126,110 @@ def lib(request, tmp_path) -> ctypes.CDLL:
     return cpu_ops.bind(ctypes.CDLL(str(out)))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", RMS_SHAPES, ids=str)
-def test_rms_norm_matches_torch(lib, shape):
+def test_rms_norm_matches_torch(lib, shape, dtype):
     g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
     t, n = shape
-    w = _rand(g, n)
-    x = _rand(g, t, n + 5, scale=3.0)[:, 2 : n + 2]  # strided rows
-    _assert_near_bitwise(cpu_ops.rms_norm(lib, x, w, 1e-5), rms_norm(x, w, 1e-5))
+    w = _rand(g, n, dtype=dtype)
+    x = _rand(g, t, n + 5, scale=3.0, dtype=dtype)[:, 2 : n + 2]  # strided rows
+    _assert_close(cpu_ops.rms_norm(lib, x, w, 1e-5), rms_norm(x, w, 1e-5))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", RMS_SHAPES, ids=str)
-def test_add_rms_norm_matches_torch_and_writes_the_sum_over_y(lib, shape):
+def test_add_rms_norm_matches_torch_and_writes_the_sum_over_y(lib, shape, dtype):
     g = torch.Generator().manual_seed(shape[0] * 5 + shape[1])
     t, n = shape
-    x, y, w = _rand(g, t, n, scale=4.0), _rand(g, t, n), _rand(g, n)
+    x, y = _rand(g, t, n, scale=4.0, dtype=dtype), _rand(g, t, n, dtype=dtype)
+    w = _rand(g, n, dtype=dtype)
     x_before = x.clone()
     ref_sum = x + y
     s, h = cpu_ops.add_rms_norm(lib, x, y, w, 1e-6)
     assert s.data_ptr() == y.data_ptr()  # in place over the layer output
     assert torch.equal(x, x_before)  # the residual input is left alone
-    _assert_bitwise(s, ref_sum)
-    _assert_near_bitwise(h, rms_norm(ref_sum, w, 1e-6))
+    _assert_same(s, ref_sum)
+    _assert_close(h, rms_norm(ref_sum, w, 1e-6))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SILU_SHAPES, ids=str)
-def test_silu_and_mul_matches_torch(lib, shape):
+def test_silu_and_mul_matches_torch(lib, shape, dtype):
     g = torch.Generator().manual_seed(shape[0] + shape[1])
     t, i = shape
-    gate_up = _rand(g, t, 2 * i + 3, scale=4.0)[:, : 2 * i]  # strided rows
+    gate_up = _rand(g, t, 2 * i + 3, scale=4.0, dtype=dtype)[:, : 2 * i]  # strided rows
     gate, up = gate_up.clone().split(i, dim=-1)
     ref = F.silu(gate, inplace=True).mul_(up)  # the model's torch path
     got = cpu_ops.silu_and_mul(lib, gate_up)
     assert got.is_contiguous()
-    _assert_bitwise(got, ref)
+    if dtype == torch.bfloat16:
+        _assert_bitwise(got, ref)
+    else:
+        _assert_fp32_near(got, ref)
 
 
-def test_silu_and_mul_extremes_match_torch(lib):
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul_extremes_match_torch(lib, dtype):
     """exp overflow and underflow, infinities and NaN: the same values as torch
-    (a NaN where torch has one, whatever its bits)."""
+    (a NaN where torch has one, whatever its bits); fp32 also over a wide range."""
     vals = [-200.0, -100.0, -89.0, -88.5, -88.0, -87.0, -50.0, -20.0, -1e-30, 1e-30, 5.0]
     vals += [88.0, 90.0, 200.0, float("inf"), -float("inf"), float("nan")]
-    gate = torch.tensor(vals).bfloat16()
+    gate = torch.tensor(vals).to(dtype)
+    if dtype == torch.float32:
+        gate = torch.cat([gate, torch.linspace(-120, 120, 4099)])
     up = torch.full_like(gate, 1.5)
     got = cpu_ops.silu_and_mul(lib, torch.cat([gate, up]).view(1, -1))[0]
     ref = F.silu(gate).mul(up)
     assert torch.equal(got.isnan(), ref.isnan())
     keep = ~ref.isnan()
-    _assert_bitwise(got[keep], ref[keep])
+    if dtype == torch.bfloat16:
+        _assert_bitwise(got[keep], ref[keep])
+    else:
+        assert torch.equal(got[keep] == 0, ref[keep] == 0)  # underflow where torch's does
+        assert torch.equal(got[keep].isinf(), ref[keep].isinf())
+        _assert_fp32_near(got[keep], ref[keep])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", ROPE_SHAPES, ids=str)
-def test_rope_in_place_matches_apply_rope(lib, shape):
+def test_rope_in_place_matches_apply_rope(lib, shape, dtype):
     """On q and k heads as the model passes them: views into the qkv matmul's output
     (strided rows), cos/sin [T, 1, D] (random here: both halves read)."""
     g = torch.Generator().manual_seed(sum(shape))
     t, heads, d = shape
-    qkv = _rand(g, t, (heads + 2) * d)
+    qkv = _rand(g, t, (heads + 2) * d, dtype=dtype)
     x = qkv[:, : heads * d].view(t, heads, d)
-    cos, sin = _rand(g, t, 1, d), _rand(g, t, 1, d)
+    cos, sin = _rand(g, t, 1, d, dtype=dtype), _rand(g, t, 1, d, dtype=dtype)
     ref = apply_rope(x.clone(), cos, sin)
     rest = qkv[:, heads * d :].clone()
     assert cpu_ops.rope_(lib, x, cos, sin) is x
-    _assert_bitwise(x, ref)
+    _assert_same(x, ref)
     assert torch.equal(qkv[:, heads * d :], rest)  # v is not touched
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", ROPE_SHAPES, ids=str)
-def test_rope_with_head_norm_is_rms_norm_then_apply_rope(lib, shape):
+def test_rope_with_head_norm_is_rms_norm_then_apply_rope(lib, shape, dtype):
     """Qwen3's q/k norm: each head rms-normalized (RMSNorm's tolerance against torch),
     then rotated: bit for bit apply_rope of the kernel's own normalized heads (a
     one-step difference of a normalized value can grow to many steps of a rotated one
     where the two products nearly cancel, so the whole is not compared by steps)."""
     g = torch.Generator().manual_seed(sum(shape) + 1)
     t, heads, d = shape
-    x, w = _rand(g, t, heads, d, scale=2.0), _rand(g, d)
-    cos, sin = _rand(g, t, 1, d), _rand(g, t, 1, d)
+    x, w = _rand(g, t, heads, d, scale=2.0, dtype=dtype), _rand(g, d, dtype=dtype)
+    cos, sin = _rand(g, t, 1, d, dtype=dtype), _rand(g, t, 1, d, dtype=dtype)
     normed = cpu_ops.rms_norm(lib, x.view(t * heads, d), w, 1e-6).view(t, heads, d)
-    _assert_near_bitwise(normed, rms_norm(x, w, 1e-6))
-    _assert_bitwise(cpu_ops.rope_(lib, x.clone(), cos, sin, w, 1e-6), apply_rope(normed, cos, sin))
+    _assert_close(normed, rms_norm(x, w, 1e-6))
+    _assert_same(cpu_ops.rope_(lib, x.clone(), cos, sin, w, 1e-6), apply_rope(normed, cos, sin))
 
 
 @needs_lib
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_thread_count_does_not_change_results(threads):
+def test_thread_count_does_not_change_results(threads, dtype):
     g = torch.Generator().manual_seed(9)
-    x, y, w = _rand(g, 300, 576), _rand(g, 300, 576), _rand(g, 576)
+    x, y = _rand(g, 300, 576, dtype=dtype), _rand(g, 300, 576, dtype=dtype)
+    w = _rand(g, 576, dtype=dtype)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     one = cpu_ops.add_rms_norm(LIB, x, y.clone(), w, 1e-6)[1]
@@ -188,8 +244,14 @@ def test_thread_count_does_not_change_results(threads):
 def test_bad_layouts_and_dtypes_are_refused():
     x = torch.randn(4, 32).bfloat16()
     w = torch.randn(32).bfloat16()
-    with pytest.raises(ValueError, match="bf16 CPU tensors only"):
-        cpu_ops.rms_norm(LIB, x.float(), w, 1e-6)
+    with pytest.raises(ValueError, match="bf16 or fp32 CPU tensors only"):
+        cpu_ops.rms_norm(LIB, x.double(), w.double(), 1e-6)
+    with pytest.raises(
+        ValueError, match="weight: torch.bfloat16, but the op runs in torch.float32"
+    ):
+        cpu_ops.rms_norm(LIB, x.float(), w, 1e-6)  # mixed dtypes
+    with pytest.raises(ValueError, match="cos: torch.float32, but the op runs in torch.bfloat16"):
+        cpu_ops.rope_(LIB, x.view(4, 2, 16), torch.ones(4, 1, 16), torch.ones(4, 1, 16))
     with pytest.raises(ValueError, match=r"expected \[rows, 32\]"):
         cpu_ops.rms_norm(LIB, x.t().contiguous().t(), w, 1e-6)  # column-major
     with pytest.raises(ValueError, match="must be contiguous"):
@@ -216,7 +278,7 @@ def test_disabled_or_unbuildable_ops_fall_back_to_torch(fresh_load, monkeypatch,
         model = load_model(path, dtype=torch.bfloat16).model
     assert model.ops is None
     assert [r.levelname for r in caplog.records] == ["INFO"]  # chosen: said quietly
-    with pytest.raises(ValueError, match="fused CPU ops need bf16 on the CPU"):
+    with pytest.raises(ValueError, match="fused CPU ops need bf16 or fp32 on the CPU"):
         model.use_fused_ops(True)
     cpu_ops.load.cache_clear()
     caplog.clear()
@@ -230,10 +292,10 @@ def test_disabled_or_unbuildable_ops_fall_back_to_torch(fresh_load, monkeypatch,
 
 
 @needs_lib
-def test_fp32_keeps_torch_ops():
-    model = load_model(str(tiny_checkpoint("llama")), dtype=torch.float32).model
+def test_fp16_keeps_torch_ops():
+    model = load_model(str(tiny_checkpoint("llama")), dtype=torch.float16).model
     assert model.ops is None and model.use_fused_ops() is False
-    with pytest.raises(ValueError, match="dtype torch.float32"):
+    with pytest.raises(ValueError, match="dtype torch.float16"):
         model.use_fused_ops(True)
 
 
@@ -282,14 +344,7 @@ def test_bf16_engine_with_fused_ops_matches_torch_ops(arch, op_calls):
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 23, 40, 70)]
     fused = _greedy(llm, prompts)
     layers = len(model.layers)
-    steps = op_calls["rms_norm"]  # one per forward: the first layer's input norm
-    assert steps >= 16
-    assert op_calls == {
-        "rms_norm": steps,
-        "add_rms_norm": 2 * layers * steps,
-        "silu_and_mul": layers * steps,
-        "rope_": 2 * layers * steps,
-    }
+    _assert_op_counts(op_calls, layers, arch)
     op_calls.clear()
     assert model.use_fused_ops(False) is False
     llm.engine.block_manager.evict()  # no prefix-cache hits from the first run
@@ -297,6 +352,51 @@ def test_bf16_engine_with_fused_ops_matches_torch_ops(arch, op_calls):
     assert op_calls == {}
     compared = bf16_paths_agree(fused, torch_ops, NEAR_TIE_NATS, ENGINE_LOGPROB_TOL)
     assert compared >= 2 * 16
+    assert model.use_fused_ops() is True
+
+
+def _assert_op_counts(op_calls: dict[str, int], layers: int, arch: str) -> None:
+    """Every forward went through the fused ops: per forward one rms_norm (the first
+    layer's input norm), two add_rms_norm and one silu_and_mul per layer, and RoPE once
+    per layer over q and k heads together, or twice (q, then k) with Qwen3's q/k norm."""
+    steps = op_calls["rms_norm"]
+    assert steps >= 16
+    assert op_calls == {
+        "rms_norm": steps,
+        "add_rms_norm": 2 * layers * steps,
+        "silu_and_mul": layers * steps,
+        "rope_": (2 if arch == "qwen3" else 1) * layers * steps,
+    }
+
+
+# fp32, fused ops on against off: their differences (a few fp32 ulps in RMSNorm and
+# SiLU, see the module docstring) reach the logprobs as ~1e-6 nats on the tiny
+# models; a wrong op moves them by far more than FP32_LOGPROB_TOL. Greedy tokens
+# must be the same (no near-ties are allowed for: fp32 must stay token-exact).
+FP32_LOGPROB_TOL = 1e-4
+
+
+@needs_lib
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fp32_engine_with_fused_ops_matches_torch_ops(arch, op_calls):
+    from pagedserve.common.core.llm import LLM
+
+    llm = LLM(str(tiny_checkpoint(arch)), dtype="float32", num_blocks=128)
+    model = llm.engine.model
+    assert model.ops is not None
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 23, 40, 70)]
+    fused = _greedy(llm, prompts)
+    _assert_op_counts(op_calls, len(model.layers), arch)
+    op_calls.clear()
+    assert model.use_fused_ops(False) is False
+    llm.engine.block_manager.evict()
+    torch_ops = _greedy(llm, prompts)
+    assert op_calls == {}
+    for a, b in zip(fused, torch_ops, strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert abs(la.logprob - lb.logprob) <= FP32_LOGPROB_TOL
     assert model.use_fused_ops() is True
 
 

@@ -1,6 +1,10 @@
-/* Fused bf16 elementwise ops of the decoder on the CPU: one pass over the data, each
- * rounding to bf16 exactly where transformers' bf16 forward rounds. Built and loaded by
- * cpu_ops.py; see its docstring for why and for what each op replaces.
+/* Fused elementwise ops of the decoder on the CPU, bf16 and fp32: one pass over the data,
+ * each bf16 rounding exactly where transformers' bf16 forward rounds. Built and loaded by
+ * cpu_ops.py; see its docstring for why and for what each op replaces. The fp32 entry
+ * points (at the end) are the same formulas without the roundings to bf16, each product,
+ * sum and quotient rounded to fp32 in torch's order (-ffp-contract=off keeps the compiler
+ * from fusing them); the sums of squares are in double as for bf16, and SiLU's exp is
+ * the same polynomial, so those two differ from torch's by a few fp32 ulps (cpu_ops.py).
  *
  *   rms_norm       h = w * bf16(x * 1/sqrt(mean(x^2) + eps))            (w*... rounded)
  *   add_rms_norm   s = bf16(x + y);  h = rms_norm(s)
@@ -175,6 +179,63 @@ static void rope_head(uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t
     }
 }
 
+/* -- fp32 -- */
+
+/* sum of squares of x[0..n) in double (each square exact), as for bf16 above */
+static float inv_rms_f32(const float *x, int64_t n, float eps) {
+    __m512d acc[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()};
+    for (int64_t i = 0; i < n; i += 16)
+        add_squares(acc, _mm512_maskz_loadu_ps(tail_mask(n - i), x + i));
+    return inv_rms_of(acc, n, eps);
+}
+
+/* h = w * (x * r): torch's order (the normalized value rounded, then the weight) */
+static void scale_row_f32(const float *x, const float *w, float *h, int64_t n, float r) {
+    const __m512 vr = _mm512_set1_ps(r);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), vr);
+        _mm512_mask_storeu_ps(h + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + i), y));
+    }
+}
+
+/* s = x + y; returns 1 / rms of s */
+static float add_row_f32(const float *x, const float *y, float *s, int64_t n, float eps) {
+    __m512d acc[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()};
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i));
+        _mm512_mask_storeu_ps(s + i, m, v);
+        add_squares(acc, v);
+    }
+    return inv_rms_of(acc, n, eps);
+}
+
+static void silu_mul_row_f32(const float *g, const float *u, float *out, int64_t n) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        const __m512 gf = _mm512_maskz_loadu_ps(m, g + i);
+        const __m512 e = exp_v(_mm512_sub_ps(_mm512_setzero_ps(), gf));
+        const __m512 act = _mm512_div_ps(gf, _mm512_add_ps(one, e));
+        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(act, _mm512_maskz_loadu_ps(m, u + i)));
+    }
+}
+
+static void rope_head_f32(float *x, const float *c, const float *s, int64_t half) {
+    for (int64_t i = 0; i < half; i += 16) {
+        const __mmask16 m = tail_mask(half - i);
+        const __m512 x1 = _mm512_maskz_loadu_ps(m, x + i);
+        const __m512 x2 = _mm512_maskz_loadu_ps(m, x + half + i);
+        const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(x1, _mm512_maskz_loadu_ps(m, c + i)),
+                                        _mm512_mul_ps(x2, _mm512_maskz_loadu_ps(m, s + i)));
+        const __m512 hi = _mm512_add_ps(_mm512_mul_ps(x2, _mm512_maskz_loadu_ps(m, c + half + i)),
+                                        _mm512_mul_ps(x1, _mm512_maskz_loadu_ps(m, s + half + i)));
+        _mm512_mask_storeu_ps(x + i, m, lo);
+        _mm512_mask_storeu_ps(x + half + i, m, hi);
+    }
+}
+
 #else /* plain C: the same arithmetic element by element */
 
 /* The squares summed in double, as in the AVX-512 path (a sequential fp32 sum strays
@@ -219,6 +280,42 @@ static void rope_head(uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t
                          round_bf16(x1 * bf16_to_f32(s[i + half]));
         x[i] = f32_to_bf16(lo);
         x[i + half] = f32_to_bf16(hi);
+    }
+}
+
+/* -- fp32 -- */
+
+static float inv_rms_f32(const float *x, int64_t n, float eps) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; ++i) sum += (double)x[i] * (double)x[i];
+    return 1.0f / sqrtf((float)sum / (float)n + eps);
+}
+
+static void scale_row_f32(const float *x, const float *w, float *h, int64_t n, float r) {
+    for (int64_t i = 0; i < n; ++i) {
+        const float y = x[i] * r;
+        h[i] = w[i] * y;
+    }
+}
+
+static float add_row_f32(const float *x, const float *y, float *s, int64_t n, float eps) {
+    for (int64_t i = 0; i < n; ++i) s[i] = x[i] + y[i];
+    return inv_rms_f32(s, n, eps);
+}
+
+static void silu_mul_row_f32(const float *g, const float *u, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+        const float act = g[i] / (1.0f + expf(-g[i]));
+        out[i] = act * u[i];
+    }
+}
+
+static void rope_head_f32(float *x, const float *c, const float *s, int64_t half) {
+    for (int64_t i = 0; i < half; ++i) {
+        const float x1 = x[i], x2 = x[i + half];
+        const float a = x1 * c[i], b = x2 * s[i], p = x2 * c[i + half], q = x1 * s[i + half];
+        x[i] = a - b;
+        x[i + half] = p + q;
     }
 }
 
@@ -272,6 +369,50 @@ void pagedserve_rope_bf16(uint16_t *x, int64_t x_stride, int64_t T, int64_t head
             uint16_t *xh = x + t * x_stride + j * D;
             if (norm_w != NULL) scale_row(xh, norm_w, xh, D, inv_rms(xh, D, eps));
             rope_head(xh, c, s, D / 2);
+        }
+    }
+}
+
+/* ---- fp32 entry points: the same contracts as the bf16 ones above, float data --- */
+
+void pagedserve_rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out,
+                             int64_t out_stride, int64_t T, int64_t N, float eps,
+                             int num_threads) {
+#pragma omp parallel for num_threads(threads_for(T, N, num_threads)) schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        const float *xt = x + t * x_stride;
+        scale_row_f32(xt, w, out + t * out_stride, N, inv_rms_f32(xt, N, eps));
+    }
+}
+
+void pagedserve_add_rms_norm_f32(const float *x, const float *y, float *s, const float *w,
+                                 float *h, int64_t T, int64_t N, float eps, int num_threads) {
+#pragma omp parallel for num_threads(threads_for(T, 2 * N, num_threads)) schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        const float r = add_row_f32(x + t * N, y + t * N, s + t * N, N, eps);
+        scale_row_f32(s + t * N, w, h + t * N, N, r);
+    }
+}
+
+void pagedserve_silu_and_mul_f32(const float *gate_up, int64_t gu_stride, float *out,
+                                 int64_t T, int64_t I, int num_threads) {
+#pragma omp parallel for num_threads(threads_for(T, 2 * I, num_threads)) schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        const float *g = gate_up + t * gu_stride;
+        silu_mul_row_f32(g, g + I, out + t * I, I);
+    }
+}
+
+void pagedserve_rope_f32(float *x, int64_t x_stride, int64_t T, int64_t heads, int64_t D,
+                         const float *cos, const float *sin, int64_t cs_stride,
+                         const float *norm_w, float eps, int num_threads) {
+#pragma omp parallel for num_threads(threads_for(T, heads * D, num_threads)) schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+        const float *c = cos + t * cs_stride, *s = sin + t * cs_stride;
+        for (int64_t j = 0; j < heads; ++j) {
+            float *xh = x + t * x_stride + j * D;
+            if (norm_w != NULL) scale_row_f32(xh, norm_w, xh, D, inv_rms_f32(xh, D, eps));
+            rope_head_f32(xh, c, s, D / 2);
         }
     }
 }

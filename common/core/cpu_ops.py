@@ -1,4 +1,4 @@
-"""Fused single-pass bf16 CPU kernels (cpu_ops.c) for the decoder's small ops.
+"""Fused single-pass CPU kernels (cpu_ops.c) for the decoder's small ops, bf16 and fp32.
 
 Why: in bf16 each of these ops is several aten ops that each make a pass over the
 activations and most write an fp32 temporary: RMSNorm is float(), pow, mean, add,
@@ -35,8 +35,29 @@ of squares of an RMSNorm (summed in another order than torch's) or SiLU's exp
 (a polynomial within ~1 fp32 ulp of torch's) moves a value across a bf16 rounding
 boundary: then it differs by one bf16 ulp (counts in tests/test_cpu_ops.py).
 
-bf16 only: fp32 keeps torch's ops, which must stay token-exact with transformers
-(`F.rms_norm` in fp32 is already one fused op).
+fp32 too (2026-12-02). Measured before: in this torch (2.13, CPU) `F.rms_norm` in
+fp32 is not one kernel but a composite of ~10 aten ops (pow, sum, div_, add_, rsqrt,
+mul, mul, type_as, ...: 56 us for one 576-wide row here, nearly all dispatch), the
+residual add another op, SiLU-and-mul two strided passes plus the copy that the
+prepacked down matmul makes of the strided result, RoPE three products, a subtraction
+and an addition. In-process, alternating, 1 thread, min us, torch -> fused (wrapper
+included), SmolLM2-135M shapes (`FP32_NUMBERS` below for the command):
+  tokens   RMSNorm        add + RMSNorm   SiLU-and-mul (+ copy)   RoPE q+k [T, 12, 64]
+     1       56 -> 27        50 -> 25          43 -> 27               97 -> 42
+    64      148 -> 56       140 -> 59         304 -> 167             218 -> 77
+   512      831 -> 232     1105 -> 331       2599 -> 969            1269 -> 274
+  2048     4292 -> 1211    5278 -> 1710     11238 -> 4708           6375 -> 1294
+The fp32 kernels are the bf16 ones without the roundings to bf16, in torch's order of
+operations: RoPE and the residual add are bit-identical to torch; RMSNorm sums its
+squares in double (torch: rounded squares in fp32, blocked), so a row's mean may
+differ in its last bit or two and every normalized value of that row with it (at
+most 4 ulps measured); SiLU's exp is the Cephes polynomial (at most 4 ulps from
+torch's SiLU, which matches neither x / (1 + exp(-x)) nor x * sigmoid(x) computed
+with torch's own ops bit for bit). That is below the ~1e-6 relative by which the
+prepacked fp32 matmuls (model.can_prepack) already differ from transformers' MKL
+ones, and every token-exact fp32 test against transformers (tests/test_model.py,
+test_engine.py, test_dtype.py) passes with these ops on. `PAGEDSERVE_CPU_OPS=0`
+(with `PAGEDSERVE_PREPACK=0`) gives bit-identical fp32 logits to transformers back.
 
 Build and fallback as for the attention kernel (`attention/cpu_kernel.py`, shared
 build code in `cbuild.py`): built with gcc on first use, cached per source,
@@ -46,7 +67,11 @@ the model uses its torch ops. The kernels run on torch's OpenMP threads with
 `torch.get_num_threads()`; small calls stay on the calling thread (see the C file).
 
 The wrappers check dtypes and layouts (a few attribute reads per call, against
-~120 calls per forward) and raise ValueError rather than let C read out of bounds.
+~90-120 calls per forward) and raise ValueError rather than let C read out of bounds.
+
+FP32_NUMBERS: the fp32 table above came from an in-process script timing each torch
+formula of model.py against its wrapper here, alternating, 300 rounds, on the
+shared 2-core EPYC (load average 1.5-3 from other work; medians 1.5-2x the minima).
 """
 
 from __future__ import annotations
@@ -74,21 +99,28 @@ _FLAGS = (
     "-shared",
 )
 _ENV_SWITCH = "PAGEDSERVE_CPU_OPS"
+# the C entry points' name suffix per dtype
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Declare the argument types of a built library's entry points; returns it."""
+    """Declare the argument types of a built library's entry points; returns it, with
+    `lib.pagedserve_ops`: {(op name, dtype): entry point}."""
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     signatures = {
-        "pagedserve_rms_norm_bf16": [ptr, i64, ptr, ptr, i64, i64, i64, f32, i32],
-        "pagedserve_add_rms_norm_bf16": [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, i32],
-        "pagedserve_silu_and_mul_bf16": [ptr, i64, ptr, i64, i64, i32],
-        "pagedserve_rope_bf16": [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, f32, i32],
+        "rms_norm": [ptr, i64, ptr, ptr, i64, i64, i64, f32, i32],
+        "add_rms_norm": [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, i32],
+        "silu_and_mul": [ptr, i64, ptr, i64, i64, i32],
+        "rope": [ptr, i64, i64, i64, i64, ptr, ptr, i64, ptr, f32, i32],
     }
+    entries = {}
     for name, args in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes = args
-        fn.restype = None
+        for dtype, suffix in _SUFFIX.items():
+            fn = getattr(lib, f"pagedserve_{name}_{suffix}")
+            fn.argtypes = args
+            fn.restype = None
+            entries[name, dtype] = fn
+    lib.pagedserve_ops = entries
     return lib
 
 
@@ -96,30 +128,62 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 def load() -> ctypes.CDLL | None:
     """The built library, or None (logged once) when it cannot be had here."""
     lib = cbuild.load_or_none(
-        _SOURCE, _FLAGS, _ENV_SWITCH, "fused bf16 CPU ops", "torch's ops (slower in bf16)", log
+        _SOURCE, _FLAGS, _ENV_SWITCH, "fused CPU ops", "torch's ops (slower)", log
     )
     return None if lib is None else bind(lib)
 
 
-def _check_rows(name: str, t: torch.Tensor, width: int) -> None:
-    """t: bf16 on the CPU, [rows, width] with contiguous rows."""
-    if t.dtype != torch.bfloat16 or t.device.type != "cpu":
-        raise ValueError(f"{name}: bf16 CPU tensors only, got {t.dtype} on {t.device}")
-    if t.ndim != 2 or t.shape[1] != width or t.stride(1) != 1:
-        raise ValueError(
-            f"{name}: expected [rows, {width}] with contiguous rows, "
-            f"got shape {tuple(t.shape)} strides {t.stride()}"
-        )
+# The checks below run on every call (~120 per forward), so each is a fast predicate
+# (`_rows`, `_vector`: a few attribute reads, ~4 us a tensor on the 2-core EPYC where a
+# wrapper with the descriptive checks run each time cost 68 us at one token against
+# 8 us for the C call itself); only when one fails does `_refuse` work out what is
+# wrong and raise ValueError. They are what keeps C from reading out of bounds.
+
+
+def _rows(t: torch.Tensor, width: int, dtype: torch.dtype) -> bool:
+    """t: a `dtype` CPU tensor [rows, width] with contiguous rows."""
+    return (
+        t.dtype is dtype and t.is_cpu and t.dim() == 2 and t.shape[1] == width and t.stride(1) == 1
+    )
+
+
+def _vector(t: torch.Tensor, n: int, dtype: torch.dtype) -> bool:
+    """t: a contiguous `dtype` CPU tensor [n]."""
+    return t.dtype is dtype and t.is_cpu and t.dim() == 1 and t.shape[0] == n and t.is_contiguous()
+
+
+def _refuse(op: str, tensors: dict[str, tuple[torch.Tensor, int]], dtype: torch.dtype) -> None:
+    """Raise ValueError naming the first of `tensors` ({name: (tensor, row width)}; a
+    weight is checked as one row) that is not a `dtype` [rows, width] CPU tensor with
+    contiguous rows, or the dtype when the op has none for it. Returns when all are
+    fine: the caller raises for its own further conditions."""
+    if dtype not in _SUFFIX:
+        raise ValueError(f"{op}: bf16 or fp32 CPU tensors only, got {dtype}")
+    for name, (t, width) in tensors.items():
+        if t.device.type != "cpu" or t.dtype not in _SUFFIX:
+            raise ValueError(
+                f"{op} {name}: bf16 or fp32 CPU tensors only, got {t.dtype} on {t.device}"
+            )
+        if t.dtype != dtype:
+            raise ValueError(f"{op} {name}: {t.dtype}, but the op runs in {dtype}")
+        rows = t.view(1, -1) if t.dim() == 1 and t.is_contiguous() else t
+        if rows.dim() != 2 or rows.shape[1] != width or rows.stride(1) != 1:
+            raise ValueError(
+                f"{op} {name}: expected [rows, {width}] with contiguous rows, "
+                f"got shape {tuple(t.shape)} strides {t.stride()}"
+            )
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * bf16(x * rsqrt(mean(x^2) + eps)) over the last dim of x [T, N], as a new
-    contiguous tensor (x's rows may be strided)."""
-    n = weight.shape[0]
-    _check_rows("rms_norm x", x, n)
-    _check_rows("rms_norm weight", weight.view(1, n), n)
-    out = torch.empty(x.shape, dtype=x.dtype)
-    lib.pagedserve_rms_norm_bf16(
+    """weight * (x * rsqrt(mean(x^2) + eps)) over the last dim of x [T, N] (bf16: the
+    normalized value rounded to bf16 before the weight, as transformers does), as a
+    new contiguous tensor (x's rows may be strided). bf16 or fp32, x and weight alike."""
+    n, dt = weight.shape[0], x.dtype
+    if not (_rows(x, n, dt) and _vector(weight, n, dt) and dt in _SUFFIX):
+        _refuse("rms_norm", {"x": (x, n), "weight": (weight, n)}, dt)
+        raise ValueError(f"rms_norm: weight must be a contiguous [{n}], got {weight.stride()}")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    lib.pagedserve_ops["rms_norm", dt](
         x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), n, x.shape[0], n,
         eps, torch.get_num_threads(),
     )  # fmt: skip
@@ -129,17 +193,25 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
 def add_rms_norm(
     lib: ctypes.CDLL, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, h): s = bf16(x + y), written over y (which is returned as s), and
-    h = rms_norm(s) * weight, new. x, y: [T, N] contiguous."""
-    n = weight.shape[0]
-    for name, t in (("x", x), ("y", y), ("weight", weight.view(1, n))):
-        _check_rows(f"add_rms_norm {name}", t, n)
-        if not t.is_contiguous():
-            raise ValueError(f"add_rms_norm {name}: must be contiguous, strides {t.stride()}")
-    if x.shape != y.shape:
+    """(s, h): s = x + y (bf16: rounded), written over y (which is returned as s), and
+    h = rms_norm(s) * weight, new. x, y: [T, N] contiguous, bf16 or fp32."""
+    n, dt = weight.shape[0], x.dtype
+    if not (
+        _rows(x, n, dt)
+        and _rows(y, n, dt)
+        and _vector(weight, n, dt)
+        and x.is_contiguous()
+        and y.is_contiguous()
+        and x.shape == y.shape
+        and dt in _SUFFIX
+    ):
+        _refuse("add_rms_norm", {"x": (x, n), "y": (y, n), "weight": (weight, n)}, dt)
+        for name, t in (("x", x), ("y", y)):
+            if not t.is_contiguous():
+                raise ValueError(f"add_rms_norm {name}: must be contiguous, strides {t.stride()}")
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)} and y {tuple(y.shape)} differ")
-    h = torch.empty(x.shape, dtype=x.dtype)
-    lib.pagedserve_add_rms_norm_bf16(
+    h = torch.empty_like(x)
+    lib.pagedserve_ops["add_rms_norm", dt](
         x.data_ptr(), y.data_ptr(), y.data_ptr(), weight.data_ptr(), h.data_ptr(),
         x.shape[0], n, eps, torch.get_num_threads(),
     )  # fmt: skip
@@ -147,17 +219,20 @@ def add_rms_norm(
 
 
 def silu_and_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
-    """bf16(bf16(silu(gate)) * up) for gate_up [T, 2I] = [gate | up], as a new
-    contiguous [T, I] (gate_up's rows may be strided)."""
-    if gate_up.ndim != 2 or gate_up.shape[1] % 2:
+    """silu(gate) * up for gate_up [T, 2I] = [gate | up] (bf16: rounded after the SiLU
+    and after the product), as a new contiguous [T, I] (gate_up's rows may be strided)."""
+    dt = gate_up.dtype
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"silu_and_mul: expected [T, 2I], got {tuple(gate_up.shape)}")
-    _check_rows("silu_and_mul gate_up", gate_up, gate_up.shape[1])
-    i = gate_up.shape[1] // 2
-    out = torch.empty((gate_up.shape[0], i), dtype=gate_up.dtype)
-    lib.pagedserve_silu_and_mul_bf16(
-        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), gate_up.shape[0], i,
-        torch.get_num_threads(),
-    )  # fmt: skip
+    width = gate_up.shape[1]
+    if not (_rows(gate_up, width, dt) and dt in _SUFFIX):
+        _refuse("silu_and_mul", {"gate_up": (gate_up, width)}, dt)
+        raise AssertionError("unreachable: _refuse covers every condition above")
+    t, i = gate_up.shape[0], width // 2
+    out = torch.empty((t, i), dtype=dt)
+    lib.pagedserve_ops["silu_and_mul", dt](
+        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), t, i, torch.get_num_threads()
+    )
     return out
 
 
@@ -170,22 +245,36 @@ def rope_(
     eps: float = 0.0,
 ) -> torch.Tensor:
     """In place: x = rope(x) with model.apply_rope's roundings, each head first
-    replaced by rms_norm(head) * norm_weight when given (Qwen3's q/k norm). Returns x."""
+    replaced by rms_norm(head) * norm_weight when given (Qwen3's q/k norm). Returns x.
+    bf16 or fp32, all tensors alike."""
     t, heads, d = x.shape
-    if d % 2 or x.stride(2) != 1 or x.stride(1) != d:
-        raise ValueError(f"rope_: x [T, heads, D] needs even D, contiguous heads; {x.stride()}")
-    _check_rows("rope_ x", x.view(t, heads * d), heads * d)
+    dt = x.dtype
+    xs = x.stride()
+    if d % 2 or xs[2] != 1 or xs[1] != d:
+        raise ValueError(f"rope_: x [T, heads, D] needs even D, contiguous heads; {xs}")
     c, s = cos.reshape(t, d), sin.reshape(t, d)
-    _check_rows("rope_ cos", c, d)
-    _check_rows("rope_ sin", s, d)
+    ok = (
+        dt in _SUFFIX
+        and x.dtype is dt
+        and x.is_cpu
+        and _rows(c, d, dt)
+        and _rows(s, d, dt)
+        and c.shape[0] == t
+        and s.shape[0] == t
+        and (norm_weight is None or _vector(norm_weight, d, dt))
+    )
+    if not ok:
+        tensors = {"x": (x.view(t, heads * d), heads * d), "cos": (c, d), "sin": (s, d)}
+        if c.shape[0] != t or s.shape[0] != t:
+            raise ValueError(f"rope_: cos/sin rows {c.shape[0]}, {s.shape[0]} for {t} tokens")
+        if norm_weight is not None:
+            tensors["norm_weight"] = (norm_weight, d)
+        _refuse("rope_", tensors, dt)
+        raise ValueError(f"rope_: norm_weight must be a contiguous [{d}]")
     if c.stride(0) != s.stride(0):
         raise ValueError(f"rope_: cos and sin row strides differ: {c.stride(0)}, {s.stride(0)}")
-    w = None
-    if norm_weight is not None:
-        _check_rows("rope_ norm_weight", norm_weight.view(1, d), d)
-        w = norm_weight.data_ptr()
-    lib.pagedserve_rope_bf16(
-        x.data_ptr(), x.stride(0), t, heads, d, c.data_ptr(), s.data_ptr(), c.stride(0), w,
-        eps, torch.get_num_threads(),
+    lib.pagedserve_ops["rope", dt](
+        x.data_ptr(), xs[0], t, heads, d, c.data_ptr(), s.data_ptr(), c.stride(0),
+        None if norm_weight is None else norm_weight.data_ptr(), eps, torch.get_num_threads(),
     )  # fmt: skip
     return x

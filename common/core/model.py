@@ -23,11 +23,12 @@ the 49152-wide LM head at 32 rows: 14 vs 25 ms; equal from M = 64 up). A tied LM
 head therefore gets its own transposed copy on CPU (vocab x hidden more memory);
 elsewhere it reuses the embedding through `F.linear`.
 
-In bf16 on the CPU the small ops run as fused C kernels (`cpu_ops.py`, switched by
-`use_fused_ops`): each residual add together with the RMSNorm after it (which is why
-a layer takes and returns both the residual stream and its normalized copy),
-SiLU-and-mul, and RoPE (with Qwen3's q/k norm) in place in the qkv output. They round
-where the torch ops round; fp32 always takes the torch ops.
+In bf16 and fp32 on the CPU the small ops run as fused C kernels (`cpu_ops.py`,
+switched by `use_fused_ops`): each residual add together with the RMSNorm after it
+(which is why a layer takes and returns both the residual stream and its normalized
+copy), SiLU-and-mul, and RoPE (with Qwen3's q/k norm) in place in the qkv output. In
+bf16 they round where the torch ops round; in fp32 RMSNorm and SiLU may differ from
+torch's by a few ulps (cpu_ops.py says why that was accepted).
 """
 
 from __future__ import annotations
@@ -143,8 +144,10 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: normalize in fp32, cast back, then scale by weight.
 
-    In fp32 torch's fused `F.rms_norm` gives bit-identical results (checked over
-    shapes 1-2048 x 16-2048) with one op instead of six."""
+    In fp32 torch's `F.rms_norm` gives bit-identical results (checked over shapes
+    1-2048 x 16-2048) with one call instead of six; on the CPU that call is itself a
+    composite of ~10 aten ops (torch 2.13: 56 us for one 576-wide row here), which is
+    why fp32 on the CPU takes the fused kernel of `cpu_ops` instead (`can_fuse`)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
@@ -156,10 +159,16 @@ def can_fuse(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the model's small ops run as the fused C kernels of `cpu_ops` (built on
     first call; False where they cannot be built, see `cpu_ops.load`).
 
-    bf16 on the CPU only: there they replace several aten ops each (numbers in
-    cpu_ops.py) with the same roundings. fp32 keeps torch's ops, bit for bit what
-    transformers computes (its RMSNorm is already one fused op)."""
-    return dtype == torch.bfloat16 and device.type == "cpu" and cpu_ops.load() is not None
+    bf16 and fp32 on the CPU: there they replace several aten ops each (numbers in
+    cpu_ops.py). fp32 was left on torch's ops at first, to stay bit for bit what
+    transformers computes; it was fused too (2026-12-02) once the prepacked fp32
+    matmuls had given that up anyway, since `F.rms_norm` in fp32 turned out to be ~10
+    aten ops here, not one (cpu_ops.py: the numbers, and the fp32 tolerances)."""
+    return (
+        dtype in (torch.bfloat16, torch.float32)
+        and device.type == "cpu"
+        and cpu_ops.load() is not None
+    )
 
 
 def add_rms_norm(
@@ -276,7 +285,7 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         next_norm: torch.Tensor,  # the next layer's input RMSNorm weight, or the final one
-        ops: ctypes.CDLL | None = None,  # the fused bf16 kernels (cpu_ops), or torch ops
+        ops: ctypes.CDLL | None = None,  # the fused CPU kernels (cpu_ops), or torch ops
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, h) for the next layer: the residual stream and its next RMSNorm.
 
@@ -314,11 +323,15 @@ class DecoderLayer(nn.Module):
         v = qkv[:, s.q_size + s.kv_size :].view(t, s.num_kv_heads, s.head_dim)
         if ops is not None:
             # In place in qkv (q/k rows stay strided, as v's already are): the fused
-            # kernel normalizes (Qwen3) and rotates each head in one pass.
+            # kernel normalizes (Qwen3) and rotates each head in one pass; without
+            # q/k norms, q and k heads in one call (each call's Python costs ~20 us).
             qk = qkv[:, : s.q_size + s.kv_size].view(t, n_qk, s.head_dim)
             q, k = qk.split((s.num_q_heads, s.num_kv_heads), dim=1)
-            cpu_ops.rope_(ops, q, cos, sin, self.q_norm, s.rms_norm_eps)
-            cpu_ops.rope_(ops, k, cos, sin, self.k_norm, s.rms_norm_eps)
+            if self.q_norm is None:
+                cpu_ops.rope_(ops, qk, cos, sin)
+            else:
+                cpu_ops.rope_(ops, q, cos, sin, self.q_norm, s.rms_norm_eps)
+                cpu_ops.rope_(ops, k, cos, sin, self.k_norm, s.rms_norm_eps)
         elif self.q_norm is None:
             # RoPE over q and k heads at once: [T, H + kvh, d]
             qk = apply_rope(qkv[:, : s.q_size + s.kv_size].view(t, n_qk, s.head_dim), cos, sin)
@@ -364,7 +377,7 @@ class PagedCausalLM(nn.Module):
         if not spec.tie_word_embeddings or device.type == "cpu":
             self.lm_head = _param(spec.hidden_size, spec.vocab_size, **p)
         self.lm_head_packed: torch.Tensor | None = None  # see `prepack_weights`
-        self.ops: ctypes.CDLL | None = None  # the fused bf16 kernels; see `use_fused_ops`
+        self.ops: ctypes.CDLL | None = None  # the fused CPU kernels; see `use_fused_ops`
         self.use_fused_ops()
         self.register_buffer("inv_freq", rope_inv_freq(spec).to(device), persistent=False)
 
@@ -415,12 +428,12 @@ class PagedCausalLM(nn.Module):
     def use_fused_ops(self, enabled: bool | None = None) -> bool:
         """Run RMSNorm (with the residual add before it), SiLU-and-mul and RoPE through
         the fused C kernels of `cpu_ops` (True) or torch's ops (False); None = where
-        `can_fuse` says so (bf16 on the CPU, the kernels built). True where they cannot
+        `can_fuse` says so (bf16 or fp32 on the CPU, the kernels built). True where they cannot
         run is refused. Returns whether the fused kernels are in use."""
         possible = can_fuse(self.dtype, self.device)
         if enabled and not possible:
             raise ValueError(
-                f"fused CPU ops need bf16 on the CPU and a built cpu_ops library "
+                f"fused CPU ops need bf16 or fp32 on the CPU and a built cpu_ops library "
                 f"(dtype {self.dtype}, device {self.device}; see the log for the build)"
             )
         self.ops = cpu_ops.load() if possible and enabled is not False else None

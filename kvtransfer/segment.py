@@ -219,9 +219,9 @@ class MappingCache:
 
     An exporter reuses its segment files (its pool renames the same file from lease
     to lease), and mapping one costs a puller what copying a third of it does here:
-    MAP_POPULATE sets up every page table entry (7-8 ms for 45 MiB on the 2-core
-    EPYC, plus 2-3 ms of munmap afterwards, in a 40 ms pull; NOTES.md). So a mapping
-    is kept and found again by the file's identity, (st_dev, st_ino), whatever its
+    MAP_POPULATE sets up every page table entry (7-8 ms for 45 MiB on a 2-core
+    Skylake-SP Xeon, plus 2-3 ms of munmap afterwards, in a 40 ms pull; NOTES.md). So a
+    mapping is kept and found again by the file's identity, (st_dev, st_ino), whatever its
     name: while a mapping is held the inode cannot be freed, so no other file can
     come to have that identity. What it maps is never trusted for that: every pull
     parses the segment, checks the lease it holds and the checksums, and compares

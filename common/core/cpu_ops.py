@@ -35,7 +35,7 @@ of squares of an RMSNorm (summed in another order than torch's) or SiLU's exp
 (a polynomial within ~1 fp32 ulp of torch's) moves a value across a bf16 rounding
 boundary: then it differs by one bf16 ulp (counts in tests/test_cpu_ops.py).
 
-fp32 too (2026-12-02). Measured before: in this torch (2.13, CPU) `F.rms_norm` in
+fp32 too (2026-12-02, measured on a 2-core Skylake-SP Xeon). Measured before: in this torch (2.13, CPU) `F.rms_norm` in
 fp32 is not one kernel but a composite of ~10 aten ops (pow, sum, div_, add_, rsqrt,
 mul, mul, type_as, ...: 56 us for one 576-wide row here, nearly all dispatch), the
 residual add another op, SiLU-and-mul two strided passes plus the copy that the
@@ -71,7 +71,8 @@ The wrappers check dtypes and layouts (a few attribute reads per call, against
 
 FP32_NUMBERS: the fp32 table above came from an in-process script timing each torch
 formula of model.py against its wrapper here, alternating, 300 rounds, on the
-shared 2-core EPYC (load average 1.5-3 from other work; medians 1.5-2x the minima).
+shared 2-core Skylake-SP Xeon (avx512f, no avx512_bf16, no AMX; load average 1.5-3
+from other work; medians 1.5-2x the minima).
 """
 
 from __future__ import annotations
@@ -134,8 +135,8 @@ def load() -> ctypes.CDLL | None:
 
 
 # The checks below run on every call (~120 per forward), so each is a fast predicate
-# (`_rows`, `_vector`: a few attribute reads, ~4 us a tensor on the 2-core EPYC where a
-# wrapper with the descriptive checks run each time cost 68 us at one token against
+# (`_rows`, `_vector`: a few attribute reads, ~4 us a tensor on a 2-core Skylake-SP
+# Xeon where a wrapper with the descriptive checks run each time cost 68 us at one token against
 # 8 us for the C call itself); only when one fails does `_refuse` work out what is
 # wrong and raise ValueError. They are what keeps C from reading out of bounds.
 

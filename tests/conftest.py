@@ -6,6 +6,9 @@ run in the interpreter on CPU tensors.
 """
 
 import os
+import sys
+
+import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,3 +26,30 @@ torch.set_num_threads(1)
 
 # A real redis-server per test session (tests/fixtures_redis.py).
 pytest_plugins = ["fixtures_redis"]
+
+
+# Leaving the test process. Once in this session's two full runs (2026-12-02, a 2-core
+# Skylake-SP Xeon) the pytest process died of SIGSEGV *after* printing "1452 passed":
+# during interpreter finalization, after every fixture's teardown, with no traceback (and
+# none with PYTHONFAULTHANDLER=1 in the run that passed). The cause is not found yet (it
+# is reported as an issue of its own); until it is, the session leaves through os._exit
+# with pytest's own exit status once pytest is done (the summary printed, every plugin's
+# unconfigure run: this hook is the last), so a crash in finalization cannot turn a green
+# run red, nor a red one green. Finalization does nothing the suite needs: every process
+# and server the tests start is stopped by its fixture before this point.
+# PAGEDSERVE_TEST_FINALIZE=1 keeps the normal exit, to chase the crash.
+_session_status: int | None = None
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    global _session_status
+    _session_status = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config) -> None:
+    if _session_status is None or os.environ.get("PAGEDSERVE_TEST_FINALIZE") == "1":
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_session_status)

@@ -8,7 +8,8 @@ goes from randomly placed blocks of one cache into randomly placed blocks of ano
 (`CacheSink`), checksums on, 1 MiB chunks. Measured in one run:
 
 - memcpy:   `copy_` of a contiguous tensor of the same bytes into a buffer allocated
-            and faulted in before timing (the baseline for shm). Not `clone()`: that
+            and faulted in before timing (the baseline for shm), timed in turns with
+            the shm and in-place moves. Not `clone()`: that
             allocates and page-faults its destination on every call (1.6 GB/s at 45 MiB
             against 7-11 GB/s for a copy into a ready buffer here), which flattered
             every ratio against it (NOTES.md, 2026-12-01).
@@ -268,7 +269,6 @@ def measure(
     flat = src[:n].contiguous()
 
     ready = torch.empty_like(flat).fill_(0)  # allocated and faulted in before timing
-    t_memcpy = best_time(lambda: ready.copy_(flat), repeats)
 
     # shm: export + pull + release, and each phase on its own; staged and in place in
     # turns (the in-place source is a copy of `src` in a /dev/shm cache file).
@@ -291,11 +291,20 @@ def measure(
             phases.setdefault(f"{kind} pull", []).append(t2 - t1)
             phases.setdefault(f"{kind} total", []).append(t3 - t0)
 
+        def memcpy() -> None:
+            t0 = time.perf_counter()
+            ready.copy_(flat)
+            phases.setdefault("memcpy", []).append(time.perf_counter() - t0)
+
+        # memcpy, staged and in place in turns: the baseline from the same minutes of
+        # a shared machine as the two transports (timed apart, it moved 2x between runs)
         turns = [("shm", src, None), ("inplace", inplace_src.kv, lambda: None)]
+        memcpy()
         for turn in turns:  # warm-up
             move(*turn)
         phases.clear()
         for _ in range(repeats):
+            memcpy()
             for turn in turns:
                 move(*turn)
                 if turn[0] == "inplace":
@@ -307,6 +316,7 @@ def measure(
     inplace_src.close()
     t_shm, t_export, t_pull = (min(phases[f"shm {k}"]) for k in ("total", "export", "pull"))
     t_inplace, t_inplace_pull = (min(phases[f"inplace {k}"]) for k in ("total", "pull"))
+    t_memcpy = min(phases["memcpy"])
 
     # grpc: the exporter process holds the blocks; pull them repeatedly from one lease.
     # The raw stream runs over the transport's own channel (one TCP connection, the

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pagedserve.common.core.config import EngineConfig
 from pagedserve.common.core.engine import LLMEngine
 from pagedserve.common.core.engine_loop import EngineLoop
+from pagedserve.common.core.kv_cache import remove_stale_cache_files
 from pagedserve.common.core.loader import LoadedModel
 from pagedserve.common.runtime.grpc_options import (
     CHANNEL_OPTIONS,
@@ -104,6 +106,11 @@ class WorkerConfig:
     kv_shm_dir: str = str(SHM_DIR)
     kv_max_staged_bytes: int | None = None
     kv_max_open_leases: int = 1024
+    # In-place exports (kvtransfer/source.py): when the engine's KV cache is in shared
+    # memory (engine.cache.shm_dir, which must then be kv_shm_dir: pullers look for the
+    # cache file there), exports are read in place and their blocks stay pinned until
+    # the lease ends, at most this many bytes of blocks at once (past it: staged).
+    kv_max_in_place_bytes: int = 256 << 20
     # Addresses ("host:port") whose KV handles this worker pulls from besides its own,
     # the registry's live workers of its model and this process's runtimes
     # (common/runtime/peers.py): for a worker without a registry.
@@ -126,6 +133,8 @@ class WorkerConfig:
         for name in ("engine_call_timeout_s", "kv_pull_timeout_s", "release_lease_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.kv_max_in_place_bytes < 0:
+            raise ValueError(f"kv_max_in_place_bytes must be >= 0: {self.kv_max_in_place_bytes}")
         if self.max_peer_channels < 1 or self.kv_max_open_leases < 1:
             raise ValueError("max_peer_channels and kv_max_open_leases must be >= 1")
         if self.internal_tls is not None:
@@ -151,6 +160,8 @@ class WorkerRuntime:
 
     def __init__(self, config: WorkerConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        if config.engine.cache.shm_dir is not None:  # room for this worker's cache first
+            _remove_stale(remove_stale_cache_files, Path(config.engine.cache.shm_dir))
         self.engine = LLMEngine(config.engine, loaded)
         self.loop = EngineLoop(self.engine, name=f"engine-{config.worker_id}")
         # One thread per open call, at most max_rpc_threads; calls beyond that are
@@ -185,7 +196,7 @@ class WorkerRuntime:
         )
         shm_dir = Path(config.kv_shm_dir)
         if config.kv_transport != "grpc":
-            _remove_stale_segments(shm_dir)
+            _remove_stale(remove_stale_segments, shm_dir)
         self.kv_source = KVSource(
             host_id=self.host_id,
             transfer_address=self.address,
@@ -195,6 +206,7 @@ class WorkerRuntime:
             on_expire=self._on_lease_expired,
             max_staged_bytes=config.staging_cap_bytes(),
             max_open_leases=config.kv_max_open_leases,
+            max_in_place_bytes=config.kv_max_in_place_bytes,
         )
         add_kvtransfer_service(self.server, self.kv_source)
         self.kv_transport = AutoTransport(
@@ -305,9 +317,10 @@ class WorkerRuntime:
             self.metrics.close()
         self.loop.stop()
         self.index_sync.goodbye()
-        self.kv_source.close()
+        self.kv_source.close()  # ends in-place leases: their unpins are moot now
         self.kv_transport.close()
         self.lease_releaser.close()
+        self.engine.kv_cache.close()  # unlinks a shared cache file (pullers keep mappings)
 
     # -- status -------------------------------------------------------------------
 
@@ -388,18 +401,19 @@ class WorkerRuntime:
                 self.registry_publisher.beat(stats.SerializeToString())  # never raises
 
 
-def _remove_stale_segments(shm_dir: Path) -> None:
-    """Segments left in shm_dir by exporters that died (their pid is gone): unlink them.
+def _remove_stale(remove: Callable[[Path], list[str]], shm_dir: Path) -> None:
+    """Files left in shm_dir by workers that died (their pid is gone): KV segments and
+    in-place descriptors, or KV cache files; `remove` unlinks them.
 
     At start-up, so a crash loop (Ray restarting a worker) cannot fill /dev/shm.
     """
     try:
-        removed = remove_stale_segments(shm_dir)
+        removed = remove(shm_dir)
     except OSError as e:
-        logger.warning("could not clean stale KV segments in %s: %s", shm_dir, e)
+        logger.warning("could not clean stale KV files in %s: %s", shm_dir, e)
         return
     if removed:
-        logger.info("removed %d stale KV segments from %s", len(removed), shm_dir)
+        logger.info("removed %d stale KV files from %s", len(removed), shm_dir)
 
 
 class _StatusServicer(worker_pb2_grpc.WorkerStatusServicer):

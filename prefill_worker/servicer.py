@@ -2,19 +2,23 @@
 
 Requests from concurrent calls are batched by the engine (continuous batching), so
 many prompts prefill in one forward. A request runs with `prefill_only`: after the
-first token of every sample, its blocks stay allocated until they are staged for
-export (one copy, see kvtransfer/source.py), then return to the prefix cache at
-once. From then on the lease holds the staged copy, not the blocks, so a slow
-decode worker never pins this worker's KV pool; a lease nobody pulls expires after
-its TTL and is counted.
+first token of every sample, its blocks stay allocated until they are exported under
+a lease (kvtransfer/source.py), in one of two ways:
 
-When this worker's cache is in shared memory (CacheConfig.shm_dir) an export may be
-*in place* instead: nothing is copied, same-host pullers read the blocks out of the
-cache, and the blocks stay pinned (the lease's pin, handoff.lease_pin_id) until the
-lease ends: released by the puller, expired, ended here for a caller that left
-(`_hand_over`), or at close; KVSource's `on_end` then unpins on the engine thread.
-The pinned bytes are capped (WorkerConfig.kv_max_in_place_bytes; past it exports are
-staged), so slow pullers can hold at most that much of the pool.
+- *In place*, the default (WorkerConfig.kv_in_place: this worker's cache is then a
+  shared-memory file, CacheConfig.shm_dir): nothing is copied; same-host pullers read
+  the blocks out of the cache, and the blocks stay pinned (the lease's pin,
+  handoff.lease_pin_id) until the lease ends: released by the puller, expired, ended
+  here for a caller that left (`_hand_over`), or at close; KVSource's `on_end` then
+  unpins on the engine thread. The pinned bytes are capped
+  (WorkerConfig.kv_max_in_place_bytes), so slow pullers hold at most that much of the
+  pool; a gRPC puller of such a lease is served from the cache, checksummed per chunk.
+- *Staged*, past that cap, with a cache in ordinary memory (kv_transport "grpc", a GPU,
+  no room in /dev/shm, kv_in_place=False): one copy into a segment, after which the
+  blocks return to the prefix cache at once and the lease holds the copy, so a slow
+  decode worker never pins this worker's pool.
+
+A lease nobody pulls expires after its TTL and is counted.
 """
 
 from __future__ import annotations

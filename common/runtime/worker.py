@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -111,6 +111,15 @@ class WorkerConfig:
     # cache file there), exports are read in place and their blocks stay pinned until
     # the lease ends, at most this many bytes of blocks at once (past it: staged).
     kv_max_in_place_bytes: int = 256 << 20
+    # In-place exports by default: the engine's KV cache goes in a shared-memory file in
+    # kv_shm_dir (CacheConfig.shm_dir), so that same-host pullers copy exported blocks
+    # straight out of it: one copy instead of two (57-64 % of a memcpy against 16-21 %
+    # staged, 2-core Skylake-SP Xeon, benchmarks/NOTES.md). Attention on the tmpfs-backed
+    # cache measured no slower there. Not where no same-host puller can read it
+    # (kv_transport "grpc"), for a GPU cache, or with kv_in_place=False; an engine
+    # config that names its own shm_dir keeps it. A directory without room for the
+    # cache falls back to ordinary memory and staged exports, with a warning.
+    kv_in_place: bool = True
     # Addresses ("host:port") whose KV handles this worker pulls from besides its own,
     # the registry's live workers of its model and this process's runtimes
     # (common/runtime/peers.py): for a worker without a registry.
@@ -120,6 +129,19 @@ class WorkerConfig:
     # releases to other workers. The certificate must name `advertise_host` (or `host`),
     # the name the router and the other workers dial. None = plaintext.
     internal_tls: TLSFiles | None = None
+
+    def engine_config(self) -> EngineConfig:
+        """The engine config this worker runs: `engine`, with the KV cache in kv_shm_dir
+        when in-place exports apply (see kv_in_place)."""
+        cache = self.engine.cache
+        if (
+            not self.kv_in_place
+            or self.kv_transport == "grpc"
+            or cache.shm_dir is not None
+            or not self.engine.device.startswith("cpu")
+        ):
+            return self.engine
+        return replace(self.engine, cache=replace(cache, shm_dir=self.kv_shm_dir))
 
     def __post_init__(self) -> None:
         if self.pool not in POOL_TO_PB:
@@ -160,9 +182,10 @@ class WorkerRuntime:
 
     def __init__(self, config: WorkerConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        if config.engine.cache.shm_dir is not None:  # room for this worker's cache first
-            _remove_stale(remove_stale_cache_files, Path(config.engine.cache.shm_dir))
-        self.engine = LLMEngine(config.engine, loaded)
+        engine_config = config.engine_config()
+        if engine_config.cache.shm_dir is not None:  # room for this worker's cache first
+            _remove_stale(remove_stale_cache_files, Path(engine_config.cache.shm_dir))
+        self.engine = LLMEngine(engine_config, loaded)
         self.loop = EngineLoop(self.engine, name=f"engine-{config.worker_id}")
         # One thread per open call, at most max_rpc_threads; calls beyond that are
         # answered RESOURCE_EXHAUSTED by gRPC at once instead of queueing without

@@ -1,10 +1,12 @@
 /* Fused elementwise ops of the decoder on the CPU, bf16 and fp32: one pass over the data,
  * each bf16 rounding exactly where transformers' bf16 forward rounds. Built and loaded by
- * cpu_ops.py; see its docstring for why and for what each op replaces. The fp32 entry
- * points (at the end) are the same formulas without the roundings to bf16, each product,
- * sum and quotient rounded to fp32 in torch's order (-ffp-contract=off keeps the compiler
- * from fusing them); the sums of squares are in double as for bf16, and SiLU's exp is
- * the same polynomial, so those two differ from torch's by a few fp32 ulps (cpu_ops.py).
+ * cpu_ops.py; see its docstring for why and for what each op replaces. The fp32 row
+ * helpers (the "-- fp32 --" parts) are the same formulas without the roundings to bf16,
+ * each product, sum and quotient rounded to fp32 in torch's order (-ffp-contract=off
+ * keeps the compiler from fusing them); one macro instantiates the entry points for
+ * both types (DEFINE_ENTRY_POINTS, at the end). In fp32 the sums of squares are in
+ * double as for bf16, and SiLU's exp is the same polynomial, so those two differ from
+ * torch's by a few fp32 ulps (cpu_ops.py).
  *
  *   rms_norm       h = w * bf16(x * 1/sqrt(mean(x^2) + eps))            (w*... rounded)
  *   add_rms_norm   s = bf16(x + y);  h = rms_norm(s)

@@ -132,8 +132,7 @@ static void scale_row_bf16(const uint16_t *x, const uint16_t *w, uint16_t *h, in
 }
 
 /* s = bf16(x + y); returns 1 / rms of s */
-static float add_row_bf16(const uint16_t *x, const uint16_t *y, uint16_t *s, int64_t n,
-                     float eps) {
+static float add_row_bf16(const uint16_t *x, const uint16_t *y, uint16_t *s, int64_t n, float eps) {
     __m512d acc[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()};
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = tail_mask(n - i);
@@ -251,21 +250,18 @@ static float inv_rms_bf16(const uint16_t *x, int64_t n, float eps) {
     return 1.0f / sqrtf((float)sum / (float)n + eps);
 }
 
-static void scale_row_bf16(const uint16_t *x, const uint16_t *w, uint16_t *h, int64_t n,
-                             float r) {
+static void scale_row_bf16(const uint16_t *x, const uint16_t *w, uint16_t *h, int64_t n, float r) {
     for (int64_t i = 0; i < n; ++i)
         h[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(x[i]) * r));
 }
 
 /* s = bf16(x + y); returns 1 / rms of s */
-static float add_row_bf16(const uint16_t *x, const uint16_t *y, uint16_t *s, int64_t n,
-                     float eps) {
+static float add_row_bf16(const uint16_t *x, const uint16_t *y, uint16_t *s, int64_t n, float eps) {
     for (int64_t i = 0; i < n; ++i) s[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
     return inv_rms_bf16(s, n, eps);
 }
 
-static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out,
-                                int64_t n) {
+static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) {
         const float gf = bf16_to_f32(g[i]);
         const float act = round_bf16(gf / (1.0f + expf(-gf)));

@@ -31,6 +31,10 @@ kernel or the torch path, K/V writes apart), SiLU-and-mul, logits.
     python -m benchmarks.decode_step --no-baseline --batch 1 8 64 --kernel on off --prepack on off
     python -m benchmarks.decode_step --no-baseline --dtype bf16 --batch 1 8 64 --fused on off
     python -m benchmarks.decode_step --profile --dtype fp32 bf16 --json profile.json
+    python -m benchmarks.decode_step --no-baseline --dtype fp32 --kv-cache anon shm
+
+`--kv-cache anon shm` times the same step with the KV cache in ordinary memory and in a
+/dev/shm file (KVCache(shm_dir=...), the in-place KV export's requirement), in turns.
 """
 
 from __future__ import annotations
@@ -96,11 +100,14 @@ def _decode_meta(batch: int, context: int, block_size: int, num_blocks: int) -> 
 
 
 def paged_step(
-    loaded: LoadedModel, batch: int, context: int, block_size: int
+    loaded: LoadedModel, batch: int, context: int, block_size: int, shm_dir: str | None = None
 ) -> Callable[[], None]:
+    """shm_dir: the cache in a shared-memory file there (`--kv-cache shm`)."""
     model, spec = loaded.model, loaded.spec
     per_seq = -(-(context + 1) // block_size)
-    cache = KVCache(spec, batch * per_seq + 1, block_size, model.dtype, "cpu")
+    cache = KVCache(spec, batch * per_seq + 1, block_size, model.dtype, "cpu", shm_dir=shm_dir)
+    if shm_dir is not None and cache.shm_path is None:
+        raise SystemExit(f"no room in {shm_dir} for the KV cache")
     cache.kv.normal_()
     ids = torch.randint(17, spec.vocab_size, (batch,))
     positions = torch.full((batch,), context, dtype=torch.int64)
@@ -169,6 +176,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     add_on_off(ap, "--kernel", "C attention kernel where it fits (off: the torch path)")
     add_on_off(ap, "--prepack", "oneDNN-prepacked weights (bf16/fp32 on CPU, model.can_prepack)")
     add_on_off(ap, "--fused", "fused C kernels of the small ops (CPU, model.can_fuse)")
+    ap.add_argument(
+        "--kv-cache",
+        nargs="+",
+        default=["anon"],
+        choices=["anon", "shm"],
+        help="KV cache in ordinary (anonymous) memory, in a /dev/shm file, or both (in turns)",
+    )
     ap.add_argument("--profile", action="store_true", help="per-op breakdown instead")
     ap.add_argument("--prefill-len", type=int, default=512, help="--profile's prefill step")
     ap.add_argument("--json", help="write the rows as JSON to this path")
@@ -191,23 +205,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for b in batches:
         variants, fns = [], []
         for d, lm in loaded.items():
-            step = paged_step(lm, b, args.context, args.block_size)
-            for k, pk, f in engine_switches(args, DTYPES[d]):
-                variants.append(("pagedserve", d, k, pk, f))
-                fns.append(_with_settings(step, lm.model, k == "on", pk == "on", f == "on"))
+            for where in args.kv_cache:
+                shm_dir = "/dev/shm" if where == "shm" else None
+                step = paged_step(lm, b, args.context, args.block_size, shm_dir)
+                for k, pk, f in engine_switches(args, DTYPES[d]):
+                    variants.append(("pagedserve", d, k, pk, f, where))
+                    fns.append(_with_settings(step, lm.model, k == "on", pk == "on", f == "on"))
             if d in hfs:
-                variants.append(("transformers", d, "-", "-", "-"))
+                variants.append(("transformers", d, "-", "-", "-", "-"))
                 fns.append(transformers_step(hfs[d], b, args.context))
         times = _interleaved_ms(fns, args.iters, warmup=2)
         ref = {
             d: t for (who, d, *_), t in zip(variants, times, strict=True) if who == "transformers"
         }
         first = times[0][0]
-        for (who, d, k, pk, f), (med, lo) in zip(variants, times, strict=True):
+        for (who, d, k, pk, f, where), (med, lo) in zip(variants, times, strict=True):
             if who != "pagedserve":
                 continue
             row = dict(
                 dtype=d,
+                kv_cache=where,
                 kernel=k,
                 prepack=pk,
                 fused=f,
@@ -240,7 +257,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def _print_row(r: dict, header: bool) -> None:
     if header:
         print(
-            f"{'dtype':>5} {'kernel':>6} {'prepack':>7} {'fused':>5} {'batch':>5} {'ctx':>5} {'pagedserve ms (min)':>20} "
+            f"{'dtype':>5} {'kv':>4} {'kernel':>6} {'prepack':>7} {'fused':>5} {'batch':>5} {'ctx':>5} {'pagedserve ms (min)':>20} "
             f"{'vs first':>8} {'transformers ms (min)':>22} {'speedup':>8} {'tok/s':>7}"
         )
     ours = f"{r['pagedserve_ms']:.1f} ({r['pagedserve_min_ms']:.1f})"
@@ -249,7 +266,7 @@ def _print_row(r: dict, header: bool) -> None:
         base = f"{r['transformers_ms']:.1f} ({r['transformers_min_ms']:.1f})"
     ratio = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
     print(
-        f"{r['dtype']:>5} {r['kernel']:>6} {r['prepack']:>7} {r['fused']:>5} {r['batch']:>5} {r['context']:>5} {ours:>20} "
+        f"{r['dtype']:>5} {r['kv_cache']:>4} {r['kernel']:>6} {r['prepack']:>7} {r['fused']:>5} {r['batch']:>5} {r['context']:>5} {ours:>20} "
         f"{r['vs_first']:>7.2f}x {base:>22} {ratio:>8} {r['pagedserve_tok_s']:>7.0f}",
         flush=True,
     )

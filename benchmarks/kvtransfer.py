@@ -8,7 +8,8 @@ goes from randomly placed blocks of one cache into randomly placed blocks of ano
 (`CacheSink`), checksums on, 1 MiB chunks. Measured in one run:
 
 - memcpy:   `copy_` of a contiguous tensor of the same bytes into a buffer allocated
-            and faulted in before timing (the baseline for shm). Not `clone()`: that
+            and faulted in before timing (the baseline for shm), timed in turns with
+            the shm and in-place moves. Not `clone()`: that
             allocates and page-faults its destination on every call (1.6 GB/s at 45 MiB
             against 7-11 GB/s for a copy into a ready buffer here), which flattered
             every ratio against it (NOTES.md, 2026-12-01).
@@ -17,6 +18,11 @@ goes from randomly placed blocks of one cache into randomly placed blocks of ano
             The columns `export` and `pull` split it; `pull/mem` is the decode side's
             share alone. The design copies twice (cache -> segment -> cache), so 50% of
             one memcpy is its ceiling at equal copy speeds.
+- in place: the same move from a source cache allocated in a /dev/shm file
+            (`KVCache(shm_dir=...)`): export in place (a descriptor, no copy) + pull
+            (the puller maps the exporter's cache file and copies the blocks straight
+            into the destination cache, no checksum) + release. One copy: 100% of
+            memcpy is its ceiling. Timed in turns with `shm` (staged), same run.
 - raw grpc: a bare streaming RPC sending pre-built bytes messages of the same sizes as
             the transport's KVChunk messages, received and dropped (the baseline for grpc),
             over the transport's own channel: the same connection and options.
@@ -24,7 +30,7 @@ goes from randomly placed blocks of one cache into randomly placed blocks of ano
             cache, KVSource staged privately, KVTransfer servicer): frame, send, unframe,
             verify, scatter. The export is done before timing (its cost is `export`).
 
-Ratios: shm / memcpy (target >= 50%) and grpc / raw grpc (target >= 80%). Throughput is
+Ratios: shm / memcpy and in place / memcpy (target >= 50%) and grpc / raw grpc (target >= 80%). Throughput is
 payload bytes over the best time of `--repeats` runs after one warm-up: the machine is
 shared, and the minimum is the measurement least disturbed by other processes (each
 ratio compares best with best, taken in the same run; grpc and raw grpc run in turns,
@@ -57,6 +63,9 @@ import grpc
 import torch
 
 from benchmarks.cli import print_rows
+from pagedserve.common.api.model_config import ModelSpec
+from pagedserve.common.core.kv_cache import KVCache
+from pagedserve.common.shm import SHM_DIR
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.sinks import CacheSink
 from pagedserve.kvtransfer.source import KVSource, add_kvtransfer_service
@@ -82,6 +91,19 @@ def new_cache(seed: int) -> torch.Tensor:
     # block-major, as KVCache.kv: one block's layers, K and V, are one contiguous run
     shape = (CACHE_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     return torch.randn(shape, generator=g).to(DTYPE)
+
+
+def shm_cache(seed: int) -> KVCache:
+    """`new_cache(seed)`'s contents in a cache allocated in a /dev/shm file (in place)."""
+    spec = ModelSpec(
+        "llama", 1, 1, 1, NUM_LAYERS, NUM_KV_HEADS, NUM_KV_HEADS, HEAD_DIM, 1e-5, 1e4,
+        None, 1, False, False, False, None, (),
+    )  # fmt: skip
+    cache = KVCache(spec, CACHE_BLOCKS, BLOCK_SIZE, DTYPE, "cpu", shm_dir=SHM_DIR)
+    if cache.shm_path is None:
+        raise SystemExit(f"{SHM_DIR} has no room for a {cache.nbytes}-byte cache")
+    cache.kv.copy_(new_cache(seed))
+    return cache
 
 
 def random_blocks(n: int, seed: int) -> list[int]:
@@ -165,10 +187,14 @@ class Row:
     shm_gbps: float
     shm_export_gbps: float
     shm_pull_gbps: float
+    inplace_gbps: float  # in-place export + pull + release
+    inplace_pull_gbps: float
     raw_grpc_gbps: float
     grpc_gbps: float
     shm_vs_memcpy: float
     shm_pull_vs_memcpy: float
+    inplace_vs_memcpy: float
+    inplace_speedup_paired: float  # median over turns of staged shm time / in-place time
     grpc_vs_raw: float
     grpc_vs_raw_paired: float  # median of per-turn ratios (see paired_ratio)
     # CPU time per MiB of payload, summed over every thread of a process: the puller
@@ -243,32 +269,54 @@ def measure(
     flat = src[:n].contiguous()
 
     ready = torch.empty_like(flat).fill_(0)  # allocated and faulted in before timing
-    t_memcpy = best_time(lambda: ready.copy_(flat), repeats)
 
-    # shm: export + pull + release, and each phase on its own.
+    # shm: export + pull + release, and each phase on its own; staged and in place in
+    # turns (the in-place source is a copy of `src` in a /dev/shm cache file).
     shm = ShmTransport()
     sink = CacheSink(dst, dst_ids)
+    inplace_src = shm_cache(seed=2)
     with KVSource(max_chunk_bytes=chunk_bytes, checksum=checksum) as source:
-        phases: dict[str, list[float]] = {"export": [], "pull": [], "total": []}
+        phases: dict[str, list[float]] = {}
 
-        def move() -> None:
+        def move(kind: str, kv: torch.Tensor, on_end) -> None:
             t0 = time.perf_counter()
-            handle = source.export(src, src_ids, num_tokens=tokens)
+            handle = source.export(kv, src_ids, num_tokens=tokens, on_end=on_end)
             t1 = time.perf_counter()
             shm.pull_into(handle, sink)
             t2 = time.perf_counter()
             source.release(handle.lease_id)
             t3 = time.perf_counter()
-            phases["export"].append(t1 - t0)
-            phases["pull"].append(t2 - t1)
-            phases["total"].append(t3 - t0)
+            assert handle.in_place == (on_end is not None), handle
+            phases.setdefault(f"{kind} export", []).append(t1 - t0)
+            phases.setdefault(f"{kind} pull", []).append(t2 - t1)
+            phases.setdefault(f"{kind} total", []).append(t3 - t0)
 
-        move()  # warm-up
-        phases = {k: [] for k in phases}
+        def memcpy() -> None:
+            t0 = time.perf_counter()
+            ready.copy_(flat)
+            phases.setdefault("memcpy", []).append(time.perf_counter() - t0)
+
+        # memcpy, staged and in place in turns: the baseline from the same minutes of
+        # a shared machine as the two transports (timed apart, it moved 2x between runs)
+        turns = [("shm", src, None), ("inplace", inplace_src.kv, lambda: None)]
+        memcpy()
+        for turn in turns:  # warm-up
+            move(*turn)
+        phases.clear()
         for _ in range(repeats):
-            move()
-    assert torch.equal(dst[dst_ids], src[src_ids]), "shm transfer corrupted data"
-    t_shm, t_export, t_pull = (min(phases[k]) for k in ("total", "export", "pull"))
+            memcpy()
+            for turn in turns:
+                move(*turn)
+                if turn[0] == "inplace":
+                    assert torch.equal(dst[dst_ids], src[src_ids]), "in-place pull corrupted data"
+                    dst.zero_()
+                else:
+                    assert torch.equal(dst[dst_ids], src[src_ids]), "shm transfer corrupted data"
+                    dst.zero_()
+    inplace_src.close()
+    t_shm, t_export, t_pull = (min(phases[f"shm {k}"]) for k in ("total", "export", "pull"))
+    t_inplace, t_inplace_pull = (min(phases[f"inplace {k}"]) for k in ("total", "pull"))
+    t_memcpy = min(phases["memcpy"])
 
     # grpc: the exporter process holds the blocks; pull them repeatedly from one lease.
     # The raw stream runs over the transport's own channel (one TCP connection, the
@@ -309,10 +357,14 @@ def measure(
         shm_gbps=gbps(t_shm),
         shm_export_gbps=gbps(t_export),
         shm_pull_gbps=gbps(t_pull),
+        inplace_gbps=gbps(t_inplace),
+        inplace_pull_gbps=gbps(t_inplace_pull),
         raw_grpc_gbps=gbps(t_raw),
         grpc_gbps=gbps(t_grpc),
         shm_vs_memcpy=t_memcpy / t_shm,
         shm_pull_vs_memcpy=t_memcpy / t_pull,
+        inplace_vs_memcpy=t_memcpy / t_inplace,
+        inplace_speedup_paired=paired_ratio(phases["shm total"], phases["inplace total"]),
         grpc_vs_raw=t_raw / t_grpc,
         grpc_vs_raw_paired=paired_ratio(times["raw"], times["grpc"]),
         grpc_cpu_puller_us_per_mib=us_per_mib["grpc"][0],
@@ -325,8 +377,8 @@ def measure(
 
 TABLE_HEAD = (
     f"{'tokens':>6} {'blocks':>6} {'MiB':>7} | {'memcpy':>7} {'shm':>7} {'export':>7} "
-    f"{'pull':>7} {'shm/mem':>7} {'pull/mem':>8} | {'raw grpc':>8} {'grpc':>7} {'grpc/raw':>8} "
-    f"{'paired':>6}"
+    f"{'pull':>7} {'shm/mem':>7} {'pull/mem':>8} | {'inplace':>7} {'in/mem':>6} "
+    f"{'in:shm':>6} | {'raw grpc':>8} {'grpc':>7} {'grpc/raw':>8} {'paired':>6}"
 )
 
 
@@ -334,8 +386,10 @@ def _row_line(r: Row) -> str:
     return (
         f"{r.tokens:>6} {r.blocks:>6} {r.bytes / 2**20:>7.2f} | {r.memcpy_gbps:>7.2f} "
         f"{r.shm_gbps:>7.2f} {r.shm_export_gbps:>7.2f} {r.shm_pull_gbps:>7.2f} "
-        f"{r.shm_vs_memcpy:>7.0%} {r.shm_pull_vs_memcpy:>8.0%} | {r.raw_grpc_gbps:>8.2f} "
-        f"{r.grpc_gbps:>7.2f} {r.grpc_vs_raw:>8.0%} {r.grpc_vs_raw_paired:>6.0%}"
+        f"{r.shm_vs_memcpy:>7.0%} {r.shm_pull_vs_memcpy:>8.0%} | {r.inplace_gbps:>7.2f} "
+        f"{r.inplace_vs_memcpy:>6.0%} {r.inplace_speedup_paired:>5.2f}x | "
+        f"{r.raw_grpc_gbps:>8.2f} {r.grpc_gbps:>7.2f} {r.grpc_vs_raw:>8.0%} "
+        f"{r.grpc_vs_raw_paired:>6.0%}"
     )
 
 
@@ -361,11 +415,12 @@ def print_table(rows: list[Row], checksum: str) -> None:
     big = [r for r in rows if r.tokens >= 256]
     label = "median over >= 256 tokens" if big else "median over all sizes"
     shm = statistics.median(r.shm_vs_memcpy for r in big or rows)
+    inplace = statistics.median(r.inplace_vs_memcpy for r in big or rows)
     grpc_ratio = statistics.median(r.grpc_vs_raw for r in big or rows)
     paired = statistics.median(r.grpc_vs_raw_paired for r in big or rows)
     cpu = statistics.median(r.grpc_vs_raw_cpu for r in big or rows)
     print(
-        f"{label}: shm/memcpy {shm:.0%} (target >= 50%), "
+        f"{label}: shm/memcpy {shm:.0%}, in place/memcpy {inplace:.0%} (target >= 50%), "
         f"grpc/raw grpc {grpc_ratio:.0%} (paired {paired:.0%}, CPU {cpu:.0%}) (target >= 80%)"
     )
 

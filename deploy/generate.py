@@ -429,15 +429,28 @@ def pool_dashboard(pool: str) -> dict:
                     description="Exported KV nobody pulled in time: lost work (alerted).",
                 )),
                 (8, 8, timeseries(
-                    "Staged KV bytes", [worker_gauge("kv_staged_bytes")], unit="bytes"
+                    "Staged / pinned in place KV bytes",
+                    [
+                        (series("kv_staged_bytes"), "staged {{worker}}"),
+                        (series("kv_in_place_pinned_bytes"), "pinned {{worker}}"),
+                    ],
+                    unit="bytes",
+                    description="staged: copies held by open leases; pinned: cache blocks "
+                    "that open in-place leases keep from reuse (capped by "
+                    "kv_max_in_place_bytes).",
                 )),
                 (24, 8, timeseries(
-                    "Exports refused / staged privately / s",
+                    "Exports in place / staged at the pin cap / refused / staged privately / s",
                     worker_rates(
-                        refused="kv_exports_refused_total", private="kv_exports_private_total"
+                        in_place="kv_exports_in_place_total",
+                        capped="kv_exports_in_place_capped_total",
+                        refused="kv_exports_refused_total",
+                        private="kv_exports_private_total",
                     ),
-                    description="refused: a staging cap was reached (RESOURCE_EXHAUSTED); "
-                    "private: /dev/shm was full, the KV went over gRPC.",
+                    description="in_place: read out of the cache, no copy; capped: staged "
+                    "because in-place leases pinned kv_max_in_place_bytes; refused: a "
+                    "staging cap was reached (RESOURCE_EXHAUSTED); private: /dev/shm was "
+                    "full, the KV went over gRPC.",
                 )),
             ],
         ),

@@ -89,6 +89,10 @@ class ExportedKV:
     num_tokens: int
     layout: KVLayout
     expires_unix_ms: int  # wall clock, so it means the same on every host
+    # The exporter's own knowledge, not on the wire (from_proto leaves it False): the
+    # lease's blocks are read in place from the exporter's cache, which must keep them
+    # pinned until the lease ends (KVSource.export's `on_end` says when).
+    in_place: bool = False
 
     def expired(self, now_unix_ms: int | None = None) -> bool:
         now = int(time.time() * 1000) if now_unix_ms is None else now_unix_ms

@@ -24,11 +24,24 @@ cleaning up. A segment gets its lease's name only once complete (written under a
 `.tmp` or pool name, then renamed), so a puller never maps a half-written one. A
 rewrite starts by zeroing the segment header, so a puller that compares the header
 before and after its copy detects a segment reused under it.
+
+An *in-place descriptor* (flag FLAG_IN_PLACE in the segment header) is a segment whose
+payload is not the KV but a reference to it: the exporter's KV cache lives in a shared
+file (common/core/kv_cache.py) and an in-place lease lets same-host pullers read the
+exported blocks there (kvtransfer/source.py). Its chunk table holds one wire header,
+the transfer's first chunk's, unsealed: it carries the request, the block ids, the
+layer count and the block shape and dtype, read by the same decoder as any chunk; its
+payload is a `CacheRef` (the cache file's name, where block 0 starts in it, its block
+count and block size in bytes). Same name as a segment (`pagedserve-kv-<pid>-<lease>`),
+written under `.tmp` and renamed, so the naming rule, `lease_segment_path` and
+`remove_stale_segments` apply unchanged. When the lease ends the exporter zeroes the
+descriptor's segment header, then unlinks it, and only then lets the blocks go: a
+puller that reads the header again after its copy and finds it unchanged knows the
+blocks were still pinned while it copied (transport.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import re
@@ -37,6 +50,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+# create_shm, free_bytes: re-exported (this module's names before common/shm.py existed)
+from pagedserve.common.shm import PAGE, SHM_DIR, remove_stale
+from pagedserve.common.shm import create_shm as create_shm
+from pagedserve.common.shm import free_bytes as free_bytes
 from pagedserve.kvtransfer.wire import (
     ChunkHeader,
     KVTransferError,
@@ -49,10 +66,11 @@ SEGMENT_MAGIC = b"PSKVSEG1"
 SEGMENT_VERSION = 1
 SEGMENT_HEADER_BYTES = 256
 MAX_LEASE_ID_BYTES = 128
-PAGE = 4096
-SHM_DIR = Path("/dev/shm")
+FLAG_IN_PLACE = 1  # the segment header's flags: an in-place descriptor (module docstring)
 SEGMENT_PREFIX = "pagedserve-kv-"
-_SEGMENT = struct.Struct("<8sHHIQQQQH")  # ... then the lease id (<= 128 bytes)
+# magic, version, flags, chunk count, table length, payload offset, payload length,
+# total length, lease id length; then the lease id (<= 128 bytes)
+_SEGMENT = struct.Struct("<8sHHIQQQQH")
 _NAME = re.compile(rf"^{SEGMENT_PREFIX}(\d+)-[A-Za-z0-9_.-]+(\.tmp)?$")
 
 
@@ -92,6 +110,14 @@ def check_segment_name(name: str, lease_id: str) -> None:
         )
 
 
+def segment_pid(name: str) -> int:
+    """The exporter pid in a lease's segment name (checked by `check_segment_name`)."""
+    m = _LEASE_SEGMENT.fullmatch(name)
+    if m is None:
+        raise ValueError(f"{name[:160]!r} is not a segment name")
+    return int(m.group(1))
+
+
 def lease_segment_path(shm_dir: Path, name: str, lease_id: str) -> Path:
     """The path of lease `lease_id`'s segment `name` in `shm_dir`; ValueError if the name
     breaks the rule or the path leaves `shm_dir` (a symbolic link planted there)."""
@@ -121,14 +147,14 @@ class SegmentLayout:
     def total_len(self) -> int:
         return self.payload_offset + self.payload_len
 
-    def pack(self, lease_id: str) -> bytes:
+    def pack(self, lease_id: str, flags: int = 0) -> bytes:
         lid = lease_id.encode()
         if len(lid) > MAX_LEASE_ID_BYTES:
             raise ValueError(f"lease id is {len(lid)} bytes, at most {MAX_LEASE_ID_BYTES}")
         fixed = _SEGMENT.pack(
             SEGMENT_MAGIC,
             SEGMENT_VERSION,
-            0,
+            flags,
             self.num_chunks,
             self.table_len,
             self.payload_offset,
@@ -149,6 +175,17 @@ class SegmentView:
     payload: memoryview
     header_bytes: bytes  # a copy of the segment header as parsed (see `unchanged`)
     _buf: memoryview
+    flags: int = 0
+
+    @property
+    def in_place(self) -> bool:
+        """An in-place descriptor: the payload is a `CacheRef`, not the KV."""
+        return bool(self.flags & FLAG_IN_PLACE)
+
+    def cache_ref(self) -> CacheRef:
+        if not self.in_place:
+            raise KVTransferError("not an in-place descriptor: no cache reference")
+        return CacheRef.unpack(self.payload)
 
     def chunk_payload(self, h: ChunkHeader) -> memoryview:
         return self.payload[payload_range(h)]
@@ -158,12 +195,20 @@ class SegmentView:
         return bytes(self._buf[:SEGMENT_HEADER_BYTES]) == self.header_bytes
 
 
+def is_in_place(head: bytes) -> bool:
+    """Whether the first SEGMENT_HEADER_BYTES of a file are an in-place descriptor's."""
+    if len(head) < _SEGMENT.size:
+        return False
+    magic, version, flags = _SEGMENT.unpack_from(head)[:3]
+    return magic == SEGMENT_MAGIC and version == SEGMENT_VERSION and bool(flags & FLAG_IN_PLACE)
+
+
 def parse_segment(buf: memoryview) -> SegmentView:
     """Parse a segment; KVTransferError when it is malformed, truncated or being written."""
     if len(buf) < SEGMENT_HEADER_BYTES:
         raise KVTransferError(f"KV segment truncated: {len(buf)} bytes")
     header_bytes = bytes(buf[:SEGMENT_HEADER_BYTES])
-    magic, version, _, num_chunks, table_len, payload_offset, payload_len, total, lid_len = (
+    magic, version, flags, num_chunks, table_len, payload_offset, payload_len, total, lid_len = (
         _SEGMENT.unpack_from(header_bytes)
     )
     if magic != SEGMENT_MAGIC or version != SEGMENT_VERSION:
@@ -180,28 +225,63 @@ def parse_segment(buf: memoryview) -> SegmentView:
         pos += n
     if pos != SEGMENT_HEADER_BYTES + table_len:
         raise KVTransferError("KV segment's chunk table does not match its length")
-    return SegmentView(layout, lease_id, headers, buf[payload_offset:total], header_bytes, buf)
+    view = SegmentView(layout, lease_id, headers, buf[payload_offset:total], header_bytes, buf)
+    view.flags = flags
+    return view
 
 
-def create_shm(path: Path, size: int) -> mmap.mmap:
-    """A new read-write shared mapping of `size` bytes backed by file `path` (must not exist).
+# The cache reference of an in-place descriptor: where block 0 starts in the cache file,
+# the cache's block count, one block's bytes, the file name's length; then the name.
+_CACHE_REF = struct.Struct("<QQQH")
+# A KV cache file (common/core/kv_cache.py CACHE_FILE_NAME; kvtransfer may not import
+# the engine core): group 1 the pid of the process that made it.
+CACHE_FILE_NAME = re.compile(r"pagedserve-kvcache-(\d{1,10})-[0-9a-f]{16}")
 
-    The file's pages are allocated up front (posix_fallocate): on a full tmpfs that
-    fails here with OSError (ENOSPC), where a sparse file (ftruncate) would map fine
-    and then kill the process with SIGBUS at the first write to a page tmpfs cannot
-    back. MAP_POPULATE then faults every page in at once: far cheaper than one fault
-    per 4 KiB page while the payload is written.
-    """
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, size)
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
+
+@dataclass(frozen=True)
+class CacheRef:
+    """Where an in-place lease's blocks are: block b is bytes [offset + b * block_bytes,
+    + block_bytes) of cache file `name` (in the exporter's shm dir)."""
+
+    name: str
+    offset: int
+    num_blocks: int
+    block_bytes: int
+
+    def pack(self) -> bytes:
+        name = self.name.encode()
+        return _CACHE_REF.pack(self.offset, self.num_blocks, self.block_bytes, len(name)) + name
+
+    @classmethod
+    def unpack(cls, buf: bytes | memoryview) -> CacheRef:
+        if len(buf) < _CACHE_REF.size:
+            raise KVTransferError(f"in-place descriptor's cache reference truncated: {len(buf)}")
+        offset, num_blocks, block_bytes, name_len = _CACHE_REF.unpack_from(buf)
+        raw = bytes(buf[_CACHE_REF.size : _CACHE_REF.size + name_len])
+        name = raw.decode(errors="replace")
+        if len(raw) != name_len or CACHE_FILE_NAME.fullmatch(name) is None:
+            raise KVTransferError(f"in-place descriptor names no KV cache file: {name[:80]!r}")
+        return cls(name, offset, num_blocks, block_bytes)
+
+    @property
+    def pid(self) -> int:
+        return int(CACHE_FILE_NAME.fullmatch(self.name).group(1))
+
+    def end(self) -> int:
+        """The file length the blocks need."""
+        return self.offset + self.num_blocks * self.block_bytes
+
+
+def pack_descriptor(lease_id: str, first_header: bytes, ref: CacheRef) -> bytes:
+    """An in-place descriptor (see the module docstring): segment header with
+    FLAG_IN_PLACE, the transfer's first chunk header, the cache reference."""
+    payload = ref.pack()
+    layout = SegmentLayout.plan(len(first_header), 1, len(payload))
+    out = bytearray(layout.total_len)
+    out[:SEGMENT_HEADER_BYTES] = layout.pack(lease_id, FLAG_IN_PLACE)
+    out[SEGMENT_HEADER_BYTES : SEGMENT_HEADER_BYTES + len(first_header)] = first_header
+    out[layout.payload_offset :] = payload
+    return bytes(out)
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -303,12 +383,6 @@ class MappingCache:
                 self._drop(key)
 
 
-def free_bytes(shm_dir: Path = SHM_DIR) -> int:
-    """Bytes an unprivileged writer can still allocate in `shm_dir`'s filesystem."""
-    st = os.statvfs(shm_dir)
-    return st.f_bavail * st.f_frsize
-
-
 def list_segments(shm_dir: Path = SHM_DIR) -> list[str]:
     """Names of every pagedserve KV segment in `shm_dir` (complete or being written)."""
     try:
@@ -318,23 +392,6 @@ def list_segments(shm_dir: Path = SHM_DIR) -> list[str]:
 
 
 def remove_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
-    """Unlink segments whose exporter process is gone; returns their names."""
-    removed = []
-    for name in list_segments(shm_dir):
-        pid = int(_NAME.match(name).group(1))
-        if _alive(pid):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            (shm_dir / name).unlink()
-            removed.append(name)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """Unlink segments (and in-place descriptors) whose exporter process is gone;
+    returns their names."""
+    return remove_stale(shm_dir, _NAME)

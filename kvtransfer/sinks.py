@@ -74,6 +74,25 @@ class RowMap:
             i += 1
 
 
+def copy_mapped(dst: np.ndarray, dst_map: RowMap, src: np.ndarray, src_map: RowMap) -> None:
+    """Every unit of a transfer from `src` rows (unit u at `src_map`'s row) to `dst` rows
+    (at `dst_map`'s): one copy per piece where neither side's run breaks, so a block
+    (every layer) is one memcpy and runs of consecutive ids on both sides merge."""
+    n = dst_map.num_units
+    if src_map.num_units != n:
+        raise ValueError(f"copying {src_map.num_units} units into {n}")
+    i = j = u = 0
+    while u < n:
+        d_end, s_end = dst_map.starts[i + 1], src_map.starts[j + 1]
+        end = min(d_end, s_end)
+        d = dst_map.rows[i] + u - dst_map.starts[i]
+        s = src_map.rows[j] + u - src_map.starts[j]
+        dst[d : d + end - u] = src[s : s + end - u]
+        u = end
+        i += end == d_end
+        j += end == s_end
+
+
 def unit_rows(t: torch.Tensor) -> torch.Tensor | np.ndarray | None:
     """A contiguous tensor [..., bs, kvh, d] as rows of unit bytes (numpy on CPU: its
     slice assignment is a plain memcpy with less per-call cost than torch's copy_), or
@@ -138,6 +157,14 @@ class TensorSink:
         else:
             shape = (count, *self.out.shape[3:])
             self.write_units(unit_start, tensor_view(buf, self.out.dtype, shape))
+
+    def copy_from(self, src: np.ndarray, src_map: RowMap) -> bool:
+        """The whole bound transfer from rows `src` (see `copy_mapped`) in one pass;
+        False when this sink cannot (not a contiguous CPU tensor): use write_units."""
+        if not isinstance(self._rows, np.ndarray):
+            return False
+        copy_mapped(self._rows, self._map, src, src_map)
+        return True
 
     def write_units(self, unit_start: int, data: torch.Tensor) -> None:
         data = data.to(self.out.device)
@@ -212,6 +239,16 @@ class CacheSink:
         else:
             shape = (count, *self.kv.shape[3:])
             self.write_units(unit_start, tensor_view(buf, self.kv.dtype, shape))
+
+    def copy_from(self, src: np.ndarray, src_map: RowMap) -> bool:
+        """The whole bound transfer from rows `src` (see `copy_mapped`) in one pass;
+        False when this sink cannot (a GPU or strided cache): use write_units."""
+        if self._map is None:
+            raise RuntimeError("CacheSink.copy_from before bind")
+        if not isinstance(self._rows, np.ndarray):
+            return False
+        copy_mapped(self._rows, self._map, src, src_map)
+        return True
 
     def write_units(self, unit_start: int, data: torch.Tensor) -> None:
         if self._map is None:

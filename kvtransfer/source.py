@@ -33,6 +33,21 @@ if the filesystem has room, with its pages allocated up front (segment.create_sh
 when /dev/shm is full the lease is staged in private memory instead and pullers use
 gRPC (`handle.shm_name` is empty), so a full tmpfs never ends in SIGBUS.
 
+In-place exports (one copy instead of two, same-host pullers): when the caller passes
+`on_end` and the cache tensor it exports from lives in a shared file in `shm_dir`
+(common/core/kv_cache.py; `shm.shared_file_of` finds it by address), nothing is copied:
+the lease's file is an in-place descriptor (segment.py: the block ids, the layout and
+the cache file's name) and a puller reads the blocks straight out of the exporter's
+cache (transport.py). The caller must keep the exported blocks pinned (unchanged,
+never reused) until the lease ends: `on_end()` is called exactly once then, on release,
+expiry or close, after the descriptor was invalidated (its header zeroed, the file
+unlinked), from whichever thread ended the lease. The handle says `in_place`; for a
+staged export `on_end` is not kept and the caller may unpin at once. In-place leases
+pin at most `max_in_place_bytes` of blocks together (the decode side's pace now holds
+the exporter's pool, which staging avoided); beyond that, and for caches in ordinary
+memory, the export is staged as before. gRPC pullers of an in-place lease get chunks
+gathered from the cache chunk by chunk and sealed with checksums, as staging does.
+
 `add_kvtransfer_service(server, source)` registers `pagedserve.v1.KVTransfer` on a
 gRPC server (sync, or grpc.aio with a migration thread pool: the handler is a plain
 generator).
@@ -61,16 +76,19 @@ from pathlib import Path
 import grpc
 import torch
 
+from pagedserve.common.shm import shared_file_of
 from pagedserve.kvtransfer.faults import fault_chunk
 from pagedserve.kvtransfer.handle import ExportedKV, KVLayout, local_host_id
 from pagedserve.kvtransfer.segment import (
     SEGMENT_HEADER_BYTES,
     SHM_DIR,
+    CacheRef,
     SegmentLayout,
     SegmentView,
     check_lease_id,
     create_shm,
     free_bytes,
+    pack_descriptor,
     parse_segment,
     segment_name,
 )
@@ -83,6 +101,7 @@ from pagedserve.kvtransfer.wire import (
     checksum_kind,
     chunk_headers,
     encode_chunks,
+    encode_header,
     encode_headers,
     frame_kvchunk,
     header_size,
@@ -127,6 +146,12 @@ class StagedBlocks:
     @property
     def path(self) -> Path | None:
         return self.buffer.path
+
+    @property
+    def staged_bytes(self) -> int:
+        return self.buffer.capacity
+
+    pinned_bytes = 0  # a staged lease pins no block of the cache
 
     def valid(self) -> bool:
         """False once the buffer was handed to another lease."""
@@ -184,6 +209,76 @@ def positions_of(all_ids: Sequence[int], wanted: Sequence[int]) -> list[int]:
     return [index[b] for b in wanted]
 
 
+@dataclass
+class InPlaceBlocks:
+    """One block set exported in place: its handle, the cache it stays in, its descriptor."""
+
+    handle: ExportedKV
+    kv: torch.Tensor  # the exporter's whole cache [num_blocks, L, 2, bs, kvh, d]
+    expires_at: float  # on the source's clock
+    max_chunk_bytes: int
+    checksum: str | None
+    path: Path  # the in-place descriptor (segment.py)
+    pinned_bytes: int  # the exported blocks' bytes, pinned by the caller until on_end
+    on_end: Callable[[], None]
+    ended: bool = False  # set (under the source's lock) before on_end runs
+    staged_bytes = 0
+
+    def valid(self) -> bool:
+        """False once the lease ended: its blocks may be reused from then on."""
+        return not self.ended
+
+    def chunks(
+        self,
+        block_ids: Sequence[int] | None = None,
+        layers: tuple[int, int] | None = None,
+        max_chunk_bytes: int | None = None,
+    ) -> Iterator[tuple[bytes, memoryview]]:
+        """(header, payload) of each chunk of the requested part, gathered from the cache
+        chunk by chunk and sealed (a gRPC puller verifies checksums as for a staged
+        lease); ValueError if the request is invalid. A caller checks `valid()` after
+        taking each chunk: a chunk gathered after the lease ended may hold reused blocks.
+        """
+        lay = self.handle.layout
+        ids = self.handle.block_ids if not block_ids else tuple(int(b) for b in block_ids)
+        positions_of(self.handle.block_ids, ids)  # membership and duplicates
+        l0, l1 = layers if layers is not None else (0, lay.num_layers)
+        if not 0 <= l0 < l1 <= lay.num_layers:
+            raise ValueError(
+                f"layer range [{l0}, {l1}) outside the model's {lay.num_layers} layers"
+            )
+        headers = chunk_headers(
+            request_id=self.handle.request_id,
+            dtype=self.kv.dtype,
+            num_layers=lay.num_layers,
+            layer_start=l0,
+            layer_end=l1,
+            block_size=lay.block_size,
+            num_kv_heads=lay.num_kv_heads,
+            head_dim=lay.head_dim,
+            block_ids=ids,
+            num_tokens=self.handle.num_tokens,
+            max_chunk_bytes=max_chunk_bytes or self.max_chunk_bytes,
+            checksum=self.checksum,
+        )
+        return _gather_chunks(self.kv, ids, l0, l1, headers)
+
+
+def _gather_chunks(
+    kv: torch.Tensor, ids: tuple[int, ...], l0: int, l1: int, headers: list[ChunkHeader]
+) -> Iterator[tuple[bytes, memoryview]]:
+    """Each chunk of the transfer of blocks `ids`, layers [l0, l1) of the block-major
+    CPU cache `kv`, gathered into its own buffer when asked for, then sealed."""
+    src = unit_rows(kv)
+    row_map = RowMap(ids, 2 * (l1 - l0), 2 * kv.shape[1], 2 * l0)
+    for h, raw in zip(headers, encode_headers(headers), strict=True):
+        buf = torch.empty((h.unit_count, h.unit_bytes), dtype=torch.uint8).numpy()
+        for a, b, row in row_map.pieces(h.unit_start, h.unit_count):
+            buf[a:b] = src[row : row + b - a]
+        payload = memoryview(buf).cast("B")
+        yield seal(raw, payload)[0], payload
+
+
 class KVSource:
     """Exports block sets under leases and serves them until released or expired."""
 
@@ -203,9 +298,12 @@ class KVSource:
         clock: Callable[[], float] = time.monotonic,
         max_staged_bytes: int | None = None,
         max_open_leases: int | None = None,
+        max_in_place_bytes: int = 256 * _MIB,
     ) -> None:
         """max_staged_bytes, max_open_leases: caps on what open leases hold (None: no cap);
         an export beyond them raises StagingFullError. The pool (`pool_bytes`) is apart.
+        max_in_place_bytes: cache bytes that in-place leases may pin together; an export
+        past it is staged instead (0: never in place).
         """
         for name, cap in (
             ("max_staged_bytes", max_staged_bytes),
@@ -215,6 +313,8 @@ class KVSource:
                 raise ValueError(f"{name} must be >= 1 or None, got {cap}")
         if default_ttl_s <= 0:
             raise ValueError(f"default_ttl_s must be > 0, got {default_ttl_s}")
+        if max_in_place_bytes < 0:
+            raise ValueError(f"max_in_place_bytes must be >= 0, got {max_in_place_bytes}")
         if pool_bytes < 0 or reuse_grace_s < 0:
             raise ValueError(
                 f"pool_bytes and reuse_grace_s must be >= 0, got {pool_bytes}, {reuse_grace_s}"
@@ -237,7 +337,12 @@ class KVSource:
         self.max_open_leases = max_open_leases
         self.refused_total = 0  # exports refused at a cap
         self.private_fallbacks = 0  # exports staged privately: /dev/shm had no room
-        self._leases: dict[str, StagedBlocks] = {}
+        self.max_in_place_bytes = max_in_place_bytes
+        self.in_place_total = 0  # exports done in place
+        self.in_place_refused = 0  # in-place exports staged instead: at max_in_place_bytes
+        self._leases: dict[str, StagedBlocks | InPlaceBlocks] = {}
+        self._pinning: dict[str, int] = {}  # in-place leases being made: bytes reserved
+        self._dirs_seen: dict[Path, bool] = {}  # directory -> is shm_dir (_in_shm_dir)
         self._staging: dict[str, int] = {}  # leases being staged: bytes reserved
         self._pool: list[_Buffer] = []
         self._lock = threading.Lock()
@@ -259,11 +364,17 @@ class KVSource:
         request_id: str = "",
         lease_id: str | None = None,
         ttl_s: float | None = None,
+        on_end: Callable[[], None] | None = None,
     ) -> ExportedKV:
         """Stage blocks `block_ids` of cache `kv` under a new lease; returns its handle.
 
         `block_ids` hold the prompt in order, so `num_tokens` must fill the last one
         partly or fully: (n - 1) * block_size < num_tokens <= n * block_size.
+
+        on_end: the caller keeps the blocks pinned until it is called, so the export may
+        be in place (the module docstring): then the handle says `in_place` and
+        `on_end()` runs exactly once, when the lease ends. Otherwise (the handle's
+        `in_place` is False) it is never called and the blocks are free at once.
         """
         lease_id = lease_id or uuid.uuid4().hex
         check_lease_id(lease_id)  # the naming rule pullers check handles against
@@ -272,7 +383,8 @@ class KVSource:
             raise ValueError(f"ttl_s must be > 0, got {ttl}")
         layout = KVLayout.of_cache(kv)
         ids = tuple(int(b) for b in block_ids)
-        bad = [b for b in ids if not 0 <= b < kv.shape[0]]
+        num_blocks = kv.shape[0]  # once: a torch call per id cost ~0.5 ms at 128 ids
+        bad = [b for b in ids if not 0 <= b < num_blocks]
         if not ids or bad or len(set(ids)) != len(ids):
             raise ValueError(
                 f"block ids must be distinct ids in [0, {kv.shape[0]}), at least one; "
@@ -288,13 +400,150 @@ class KVSource:
             if lease_id in self._leases or lease_id in self._staging:
                 raise ValueError(f"lease {lease_id!r} is already open")
         try:
-            staged = self._stage(kv, layout, ids, num_tokens, request_id, lease_id, ttl)
+            staged: StagedBlocks | InPlaceBlocks | None = None
+            if on_end is not None:
+                staged = self._in_place(
+                    kv, layout, ids, num_tokens, request_id, lease_id, ttl, on_end
+                )
+            if staged is None:
+                staged = self._stage(kv, layout, ids, num_tokens, request_id, lease_id, ttl)
         finally:
             with self._lock:
                 self._staging.pop(lease_id, None)
+                self._pinning.pop(lease_id, None)
         with self._lock:
             self._leases[lease_id] = staged
         return staged.handle
+
+    # -- in place -------------------------------------------------------------------------
+
+    def _in_place(
+        self, kv, layout, ids, num_tokens, request_id, lease_id, ttl, on_end
+    ) -> InPlaceBlocks | None:
+        """An in-place lease over the cache's own blocks, or None: the cache is not in a
+        shared file of `shm_dir`, the in-place cap is reached, or the lease cap is (the
+        staged export then refuses it), or the descriptor could not be written."""
+        if not self.use_shm or kv.device.type != "cpu" or not kv.is_contiguous():
+            return None
+        found = shared_file_of(kv.data_ptr(), kv.numel() * kv.element_size())
+        if found is None or not self._in_shm_dir(found[0].path):
+            return None  # pullers look for the cache file in shm_dir
+        shared, offset = found
+        block_bytes = kv[0].numel() * kv.element_size()
+        nbytes = len(ids) * block_bytes
+        with self._lock:
+            if lease_id in self._leases or lease_id in self._staging:
+                raise ValueError(f"lease {lease_id!r} is already open")
+            leases = len(self._leases) + len(self._staging)
+            if self.max_open_leases is not None and leases >= self.max_open_leases:
+                return None
+            if self._pinned() + nbytes > self.max_in_place_bytes:
+                self.in_place_refused += 1
+                return None
+            self._staging[lease_id] = 0  # an open lease, no staging memory
+            self._pinning[lease_id] = nbytes
+        # The descriptor's chunk header: a chunk of the whole transfer over its first
+        # block's units (any valid chunk carries the transfer's ids and layout; cutting
+        # the whole plan to take its first header cost ~2 ms at 128 blocks).
+        units = 2 * layout.num_layers
+        first = ChunkHeader(
+            request_id=request_id,
+            dtype=kv.dtype,
+            num_layers=layout.num_layers,
+            layer_start=0,
+            layer_end=layout.num_layers,
+            block_size=layout.block_size,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            block_ids=ids,
+            num_tokens=num_tokens,
+            chunk_index=0,
+            chunk_count=1,
+            unit_start=0,
+            unit_count=units,
+            payload_len=block_bytes,
+            checksum_kind=checksum_kind(self.checksum),
+        )
+        ref = CacheRef(shared.path.name, offset, kv.shape[0], block_bytes)
+        path = self.shm_dir / segment_name(os.getpid(), lease_id)
+        try:
+            self._write_descriptor(path, pack_descriptor(lease_id, encode_header(first), ref))
+        except OSError as e:  # /dev/shm full, say: staged (privately, if need be) instead
+            logger.warning("in-place export of lease %s staged instead: %s", lease_id, e)
+            return None
+        self.in_place_total += 1
+        handle = ExportedKV(
+            lease_id=lease_id,
+            request_id=request_id,
+            host_id=self.host_id,
+            transfer_address=self.transfer_address,
+            shm_name=path.name,
+            block_ids=ids,
+            num_tokens=num_tokens,
+            layout=layout,
+            expires_unix_ms=int((time.time() + ttl) * 1000),
+            in_place=True,
+        )
+        return InPlaceBlocks(
+            handle,
+            kv,
+            self.clock() + ttl,
+            self.max_chunk_bytes,
+            self.checksum,
+            path,
+            nbytes,
+            on_end,
+        )
+
+    def _write_descriptor(self, path: Path, data: bytes) -> None:
+        """Write an in-place descriptor under a temporary name, then give it `path`, so
+        a puller never reads a half-written one."""
+        tmp = path.with_name(path.name + ".tmp")
+        self._paths.update((tmp, path))
+        try:
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+            self._paths.discard(tmp)
+        except BaseException:
+            for p in (tmp, path):
+                with suppress(FileNotFoundError):
+                    p.unlink()
+                self._paths.discard(p)
+            raise
+
+    def _invalidate(self, lease: InPlaceBlocks) -> None:
+        """End an in-place lease's descriptor (lock held): its segment header zeroed, so a
+        puller that has it open fails its check after the copy, then unlinked, so no
+        new puller finds it. Only after this may the blocks be unpinned."""
+        lease.ended = True
+        try:
+            fd = os.open(lease.path, os.O_WRONLY)
+        except FileNotFoundError:
+            fd = -1
+        if fd >= 0:
+            try:
+                os.pwrite(fd, bytes(SEGMENT_HEADER_BYTES), 0)
+            finally:
+                os.close(fd)
+            with suppress(FileNotFoundError):
+                lease.path.unlink()
+        self._paths.discard(lease.path)
+
+    def _in_shm_dir(self, path: Path) -> bool:
+        """Whether `path` is a file of shm_dir (resolved once per directory)."""
+        ok = self._dirs_seen.get(path.parent)
+        if ok is None:
+            ok = self._dirs_seen[path.parent] = path.parent.resolve() == self.shm_dir.resolve()
+        return ok
+
+    def _pinned(self) -> int:
+        """Bytes pinned by in-place leases, open or being made (lock held)."""
+        open_ = sum(s.pinned_bytes for s in self._leases.values())
+        return open_ + sum(self._pinning.values())
 
     def _admit(self, lease_id: str, size: int) -> None:
         """Reserve room for a lease staging `size` bytes, or raise StagingFullError.
@@ -322,7 +571,7 @@ class KVSource:
         leases = len(self._leases) + len(self._staging)
         if self.max_open_leases is not None and leases >= self.max_open_leases:
             return f"{leases} leases open, at most {self.max_open_leases}"
-        held = sum(s.buffer.capacity for s in self._leases.values()) + sum(self._staging.values())
+        held = sum(s.staged_bytes for s in self._leases.values()) + sum(self._staging.values())
         if self.max_staged_bytes is not None and held + size > self.max_staged_bytes:
             return (
                 f"{held} bytes staged, this lease needs {size} more, at most "
@@ -468,14 +717,15 @@ class KVSource:
 
     # -- leases ---------------------------------------------------------------------------
 
-    def get(self, lease_id: str) -> StagedBlocks:
-        """The staged blocks of an open lease; LeaseNotFoundError otherwise."""
+    def get(self, lease_id: str) -> StagedBlocks | InPlaceBlocks:
+        """The blocks of an open lease; LeaseNotFoundError otherwise."""
         with self._lock:
             staged = self._leases.get(lease_id)
             expired = staged is not None and self.clock() >= staged.expires_at
             if expired:
                 self._end(lease_id, expired=True)
         if expired:
+            self._ended([staged])
             self._notify_expired([lease_id])
             raise LeaseNotFoundError(f"lease {lease_id!r} expired")
         if staged is None:
@@ -485,15 +735,17 @@ class KVSource:
     def release(self, lease_id: str) -> bool:
         """End a lease; False when it was not open (unknown, released or expired)."""
         with self._lock:
-            return self._end(lease_id, expired=False) is not None
+            ended = self._end(lease_id, expired=False)
+        self._ended([ended])
+        return ended is not None
 
     def expire(self) -> list[str]:
         """End every lease past its expiry; returns their ids (and counts them)."""
         now = self.clock()
         with self._lock:
             ids = [lid for lid, s in self._leases.items() if now >= s.expires_at]
-            for lid in ids:
-                self._end(lid, expired=True)
+            ended = [self._end(lid, expired=True) for lid in ids]
+        self._ended(ended)
         self._notify_expired(ids)
         return ids
 
@@ -506,7 +758,13 @@ class KVSource:
     def staged_bytes(self) -> int:
         """Bytes of staging memory held by open leases."""
         with self._lock:
-            return sum(s.buffer.capacity for s in self._leases.values())
+            return sum(s.staged_bytes for s in self._leases.values())
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Cache bytes pinned by open in-place leases."""
+        with self._lock:
+            return sum(s.pinned_bytes for s in self._leases.values())
 
     @property
     def pooled_bytes(self) -> int:
@@ -517,11 +775,11 @@ class KVSource:
     def close(self) -> None:
         """End every lease and free every segment, pooled ones included (idempotent)."""
         with self._lock:
-            for lid in list(self._leases):
-                self._end(lid, expired=False)
+            ended = [self._end(lid, expired=False) for lid in list(self._leases)]
             for buf in self._pool:
                 self._discard(buf)
             self._pool.clear()
+        self._ended(ended)
         self._finalizer()
 
     def __enter__(self) -> KVSource:
@@ -530,12 +788,26 @@ class KVSource:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _end(self, lease_id: str, *, expired: bool) -> StagedBlocks | None:
+    def _end(self, lease_id: str, *, expired: bool) -> StagedBlocks | InPlaceBlocks | None:
+        """Take a lease out (lock held); the caller passes it to `_ended` after the lock."""
         staged = self._leases.pop(lease_id, None)
         if staged is not None:
             self.expired_total += expired
-            self._recycle(staged.buffer, self.reuse_grace_s if expired else 0.0)
+            if isinstance(staged, InPlaceBlocks):
+                self._invalidate(staged)
+            else:
+                self._recycle(staged.buffer, self.reuse_grace_s if expired else 0.0)
         return staged
+
+    def _ended(self, leases: Sequence[StagedBlocks | InPlaceBlocks | None]) -> None:
+        """Tell the owners of ended in-place leases that their blocks are free (outside
+        the lock: an `on_end` may call back into this source)."""
+        for lease in leases:
+            if isinstance(lease, InPlaceBlocks):
+                try:
+                    lease.on_end()
+                except Exception:
+                    logger.exception("on_end of in-place lease %s failed", lease.handle.lease_id)
 
     def _notify_expired(self, lease_ids: list[str]) -> None:
         if self.on_expire is not None:

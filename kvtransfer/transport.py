@@ -15,6 +15,11 @@ of the destination blocks: they must be treated as garbage (never cached or shar
 Two implementations:
 - `ShmTransport`: same host. Maps the exporter's /dev/shm segment read-only, verifies
   the chunks and copies straight into the sink: one copy, no exporter involvement.
+  An in-place lease (source.py) has a descriptor instead of a segment: the puller maps
+  the exporter's KV cache file itself and copies the blocks from there into the sink,
+  the only copy of the transfer, then reads the descriptor again: if the lease ended
+  meanwhile (its blocks may have been reused under the copy) the pull fails with
+  LeaseNotFoundError and the sink's blocks are garbage, as for any failed pull.
 - `GrpcTransport`: any host. Streams `KVTransfer.PullBlocks` from the exporter's
   address, chunk by chunk, each verified and written into the sink as it arrives.
 Every gRPC pull has a deadline (`GrpcTransport.timeout_s`, the caller's if shorter),
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -41,17 +47,21 @@ from pathlib import Path
 from typing import Literal
 
 import grpc
+import numpy as np
 import torch
 
 from pagedserve.kvtransfer.handle import ExportedKV, local_host_id
 from pagedserve.kvtransfer.segment import (
+    SEGMENT_HEADER_BYTES,
     SHM_DIR,
     MappingCache,
     SegmentView,
+    is_in_place,
     lease_segment_path,
     parse_segment,
+    segment_pid,
 )
-from pagedserve.kvtransfer.sinks import TensorSink
+from pagedserve.kvtransfer.sinks import RowMap, TensorSink
 from pagedserve.kvtransfer.source import SERVICE_NAME, positions_of
 from pagedserve.kvtransfer.stats import PullRecord, TransferStats, failure_cause
 from pagedserve.kvtransfer.wire import (
@@ -78,6 +88,8 @@ logger = logging.getLogger(__name__)
 # (WorkerConfig.kv_pull_timeout_s).
 DEFAULT_PULL_TIMEOUT_S = 60.0
 DEFAULT_MAX_CHANNELS = 32
+# An in-place descriptor is a page of header plus a block id table (4 bytes a block).
+MAX_DESCRIPTOR_BYTES = 16 << 20
 
 
 def choose_transport(local_host_id: str, remote_host_id: str, mode: str = "auto") -> TransportKind:
@@ -164,12 +176,17 @@ class ShmTransport(KVTransport):
         *,
         overlap: bool | None = None,
         max_mapped_bytes: int = 256 << 20,
+        max_cache_mapped_bytes: int = 256 << 30,
     ) -> None:
         """max_mapped_bytes: exporters' segment files kept mapped between pulls
-        (segment.MappingCache); 0 maps every pull afresh."""
+        (segment.MappingCache); 0 maps every pull afresh. max_cache_mapped_bytes: the
+        same for exporters' KV cache files (in-place leases): a cache lives as long as
+        its worker and is mapped whole, so the cap is on address space, not memory (the
+        pages are the exporter's); a mapping goes when its file is unlinked."""
         self.shm_dir = Path(shm_dir)
         self.overlap = overlap  # checksums on the helper thread (see ChunkAssembler)
         self.mappings = MappingCache(max_mapped_bytes)
+        self.cache_mappings = MappingCache(max_cache_mapped_bytes)
 
     def pull_into(self, handle, sink, block_ids=None, layers=None, *, timeout=None) -> PullResult:
         spec = request_spec(handle, block_ids, layers)
@@ -180,6 +197,21 @@ class ShmTransport(KVTransport):
         # The handle comes from the caller: only a name that follows the segment naming
         # rule, for this lease, inside shm_dir is ever opened (ValueError otherwise).
         path = lease_segment_path(self.shm_dir, handle.shm_name, handle.lease_id)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise LeaseNotFoundError(
+                f"segment {handle.shm_name} of lease {handle.lease_id!r} is gone "
+                "(released or expired), or not visible from this process"
+            ) from None
+        try:
+            head = os.pread(fd, SEGMENT_HEADER_BYTES, 0)
+            if not any(head[:8]):  # an in-place descriptor invalidated, not yet unlinked
+                raise LeaseNotFoundError(f"lease {handle.lease_id!r} ended")
+            if is_in_place(head):
+                return self._pull_in_place(handle, spec, fd, sink)
+        finally:
+            os.close(fd)
         try:
             mapping = self.mappings.open(path)
         except FileNotFoundError:
@@ -211,6 +243,79 @@ class ShmTransport(KVTransport):
     def close(self) -> None:
         """Drop the kept mappings (pulls in progress keep theirs until done)."""
         self.mappings.close()
+        self.cache_mappings.close()
+
+    def _pull_in_place(self, handle: ExportedKV, spec: TransferSpec, fd: int, sink) -> PullResult:
+        """Copy the blocks of an in-place lease (descriptor open as `fd`) out of the
+        exporter's cache file into the sink, then check the lease still held them.
+
+        No content checksum here, by decision: the exporter pins the blocks for the whole
+        lease, so they cannot change under a copy that the descriptor check below finds
+        inside the lease, and a memcpy between two mappings of one machine's memory has
+        no wire to corrupt bytes on; a checksum would cost a third pass over the data
+        (an XXH3 pass was 6.4 ms of a 25 ms pull of 45 MiB here) to guard against
+        nothing this path can do. Staged segments and gRPC keep their checksums.
+        """
+        size = os.fstat(fd).st_size
+        if size > MAX_DESCRIPTOR_BYTES:
+            raise KVTransferError(f"in-place descriptor {handle.shm_name} is {size} bytes")
+        raw = os.pread(fd, size, 0)
+        if not any(raw[:8]):
+            raise LeaseNotFoundError(f"lease {handle.lease_id!r} ended")
+        view = parse_segment(memoryview(raw))
+        first = view.headers[0][0] if view.headers else None
+        lay = handle.layout
+        if (
+            view.lease_id != handle.lease_id
+            or first is None
+            or first.block_ids != handle.block_ids
+            or (first.num_layers, first.unit_shape, first.dtype)
+            != (lay.num_layers, lay.unit_shape, lay.dtype)
+        ):
+            raise KVTransferError(
+                f"descriptor {handle.shm_name} does not hold lease {handle.lease_id!r}"
+            )
+        ref = view.cache_ref()
+        unit_bytes = first.unit_bytes
+        L = first.num_layers
+        if (
+            ref.block_bytes != 2 * L * unit_bytes
+            or max(first.block_ids) >= ref.num_blocks
+            or ref.pid != segment_pid(handle.shm_name)
+        ):
+            raise KVTransferError(
+                f"descriptor {handle.shm_name}: cache {ref.name} of {ref.num_blocks} blocks "
+                f"of {ref.block_bytes} bytes does not fit lease {handle.lease_id!r}"
+            )
+        cache_path = self.shm_dir / ref.name  # the name is checked by CacheRef.unpack
+        try:
+            mapping = self.cache_mappings.open(cache_path)
+        except FileNotFoundError:
+            raise LeaseNotFoundError(
+                f"the KV cache {ref.name} of lease {handle.lease_id!r} is gone (exporter closed)"
+            ) from None
+        if len(mapping) < ref.end():
+            raise KVTransferError(f"KV cache file {ref.name} is shorter than its descriptor says")
+        rows = np.frombuffer(
+            mapping, np.uint8, count=ref.num_blocks * ref.block_bytes, offset=ref.offset
+        ).reshape(-1, unit_bytes)
+        sub_header = _sub_header(first, spec)
+        spec.check(sub_header)
+        sink.bind(sub_header)
+        # exporter block ids[p], layers [l0, l1): cache rows ids[p] * 2L + 2 * l0 + r
+        src_map = RowMap(spec.block_ids, sub_header.units_per_block, 2 * L, 2 * spec.layer_start)
+        copy_from = getattr(sink, "copy_from", None)
+        if copy_from is None or not copy_from(rows, src_map):
+            for a, b, row in src_map.pieces(0, src_map.num_units):  # one write per run
+                data = memoryview(rows[row : row + b - a]).cast("B")
+                sink.write_units(a, tensor_view(data, first.dtype, (b - a, *first.unit_shape)))
+        if os.pread(fd, SEGMENT_HEADER_BYTES, 0) != view.header_bytes:
+            raise LeaseNotFoundError(
+                f"lease {handle.lease_id!r} ended during the pull (its blocks may have been "
+                "reused under the copy)"
+            )
+        nbytes = sub_header.num_units * unit_bytes
+        return PullResult("shm", len(spec.block_ids), spec.layer_start, spec.layer_end, nbytes, 0)
 
     def _pull_whole(self, segment, sink, spec) -> PullResult:
         """Every chunk as staged: copy it, its checksum verified alongside."""

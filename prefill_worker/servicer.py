@@ -2,11 +2,23 @@
 
 Requests from concurrent calls are batched by the engine (continuous batching), so
 many prompts prefill in one forward. A request runs with `prefill_only`: after the
-first token of every sample, its blocks stay allocated until they are staged for
-export (one copy, see kvtransfer/source.py), then return to the prefix cache at
-once. From then on the lease holds the staged copy, not the blocks, so a slow
-decode worker never pins this worker's KV pool; a lease nobody pulls expires after
-its TTL and is counted.
+first token of every sample, its blocks stay allocated until they are exported under
+a lease (kvtransfer/source.py), in one of two ways:
+
+- *In place*, the default (WorkerConfig.kv_in_place: this worker's cache is then a
+  shared-memory file, CacheConfig.shm_dir): nothing is copied; same-host pullers read
+  the blocks out of the cache, and the blocks stay pinned (the lease's pin,
+  handoff.lease_pin_id) until the lease ends: released by the puller, expired, ended
+  here for a caller that left (`_hand_over`), or at close; KVSource's `on_end` then
+  unpins on the engine thread. The pinned bytes are capped
+  (WorkerConfig.kv_max_in_place_bytes), so slow pullers hold at most that much of the
+  pool; a gRPC puller of such a lease is served from the cache, checksummed per chunk.
+- *Staged*, past that cap, with a cache in ordinary memory (kv_transport "grpc", a GPU,
+  no room in /dev/shm, kv_in_place=False): one copy into a segment, after which the
+  blocks return to the prefix cache at once and the lease holds the copy, so a slow
+  decode worker never pins this worker's pool.
+
+A lease nobody pulls expires after its TTL and is counted.
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ import grpc
 from pagedserve.common.api.outputs import FinishReason, SampleDelta
 from pagedserve.common.api.sampling_params import InvalidRequestError
 from pagedserve.common.core.engine_loop import EngineBusy, EngineFailure, RequestFailed
-from pagedserve.common.core.handoff import ExportPlan, HandoffCalls
+from pagedserve.common.core.handoff import ExportPlan, HandoffCalls, lease_pin_id
 from pagedserve.common.core.scheduler import QueueFullError
 from pagedserve.common.core.sequence import Request
 from pagedserve.common.runtime.protocol import logprobs_to_pb, sampling_from_pb
@@ -96,16 +108,23 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
         try:
             firsts = wait_first_tokens(stream, context)
             # The export copies the blocks on this thread: export_begin pins them, so that
-            # an abort meanwhile cannot hand them to another sequence before the copy.
-            plan = self.handoff.export_begin(rid)
+            # an abort meanwhile cannot hand them to another sequence before the copy. It
+            # also pins them for the lease (an in-place export keeps that pin until the
+            # lease ends); a staged or failed export drops it in export_end.
+            lease_id = uuid.uuid4().hex
+            lease_pin = lease_pin_id(lease_id)
+            in_place = False
+            plan = self.handoff.export_begin(rid, lease_pin)
             handle = kvtransfer_pb2.KVHandle()
             states = {}  # every sample ended on its first token: nothing to hand over
             if plan is not None:
-                handle = self._export(context, plan, rid, request).to_proto()
+                exported = self._export(context, plan, rid, request, lease_id, lease_pin)
+                in_place = exported.in_place
+                handle = exported.to_proto()
                 handle.block_hashes.extend(plan.block_hashes)
                 states = plan.generator_states
         finally:  # runs even if we time out waiting (a release is wanted late too)
-            self.handoff.export_end(rid)
+            self.handoff.export_end(rid, unpin=None if in_place else lease_pin)
         handle.worker_id = self.rt.config.worker_id
         handle.transfer_address = self.rt.address
         handle.cached_tokens = added[0].num_cached_tokens
@@ -130,9 +149,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             self.rt.kv_source.release(lease_id)
             context.abort(grpc.StatusCode.CANCELLED, "the caller left before the KV handle")
 
-    def _export(self, context, plan: ExportPlan, rid: str, request):
-        """Stage the plan's blocks under a new lease (its TTL from `request`, or the
-        worker's); RESOURCE_EXHAUSTED when staging is at its cap."""
+    def _export(self, context, plan: ExportPlan, rid: str, request, lease_id: str, pin: str):
+        """Export the plan's blocks under lease `lease_id` (its TTL from `request`, or the
+        worker's); RESOURCE_EXHAUSTED when staging is at its cap. The blocks are pinned
+        under `pin`: if the export is in place (the handle says so) that pin must stay
+        until the lease ends, when KVSource's on_end drops it; else the caller drops it."""
         ttl = request.lease_ttl_ms / 1000 if request.HasField("lease_ttl_ms") else None
         try:
             return self.rt.kv_source.export(
@@ -140,7 +161,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
                 plan.block_ids,
                 num_tokens=plan.num_tokens,
                 request_id=rid,
+                lease_id=lease_id,
                 ttl_s=ttl,
+                on_end=lambda: self.handoff.unpin_later(pin),
             )
         except StagingFullError as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -155,10 +178,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"worker busy: {e}")
         if plan is None:
             context.abort(grpc.StatusCode.NOT_FOUND, "no block of this prefix is cached here")
+        in_place = False
         try:
-            exported = self._export(context, plan, pin, request)
+            exported = self._export(context, plan, pin, request, uuid.uuid4().hex, pin)
+            in_place = exported.in_place  # then the lease's end unpins
         finally:
-            self.handoff.unpin(pin)
+            if not in_place:
+                self.handoff.unpin(pin)
         handle = exported.to_proto()
         handle.worker_id = self.rt.config.worker_id
         handle.transfer_address = self.rt.address

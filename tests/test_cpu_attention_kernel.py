@@ -124,6 +124,34 @@ def test_block_major_layer_views_match_contiguous_caches(dtype, use_kernel):
     assert torch.equal(kv[:, others], before[:, others])
 
 
+def test_write_kv_refuses_a_cache_layout_it_cannot_view_as_token_rows():
+    """write_kv raises before writing anything when a block's tile is not contiguous
+    (`tile_contiguous` false: the kernel refuses it too) or when the block stride is
+    not a whole number of token rows (a layout the kernel reads but write_kv's row view
+    cannot express); the block-major layer view passes both."""
+    nb, bs, kvh, d = 4, 8, 2, 16
+    k, v = torch.randn(1, kvh, d), torch.randn(1, kvh, d)
+    slots = torch.tensor([bs + 3])  # block 1, offset 3
+    kv = torch.zeros(nb, 3, 2, bs, kvh, d)  # block-major, 3 layers
+    tile = bs * kvh * d
+    # [nb, bs, kvh, d] with each tile stored heads-major, and with a block stride one
+    # element past a tile: a K and a V cache of each
+    heads_major = [torch.zeros(nb, kvh, bs, d).transpose(1, 2) for _ in "kv"]
+    odd_stride = [
+        torch.zeros(nb * (tile + 1)).as_strided((nb, bs, kvh, d), (tile + 1, kvh * d, d, 1))
+        for _ in "kv"
+    ]
+    assert cpu_kernel.tile_contiguous(kv[:, 1, 0])
+    assert not cpu_kernel.tile_contiguous(heads_major[0])
+    assert cpu_kernel.tile_contiguous(odd_stride[0])
+    write_kv(k, v, kv[:, 1, 0], kv[:, 1, 1], slots)
+    assert torch.equal(kv[1, 1, 0, 3], k[0]) and torch.equal(kv[1, 1, 1, 3], v[0])
+    for k_cache, v_cache in (heads_major, odd_stride):
+        with pytest.raises(ValueError, match=r"each block's \[block_size, kvh, head_dim\] tile"):
+            write_kv(k, v, k_cache, v_cache, slots)
+        assert not k_cache.any() and not v_cache.any()
+
+
 @needs_kernel
 def test_kernel_on_strided_query_rows_and_long_sequences():
     """q as the model hands it (a view into a wider qk tensor), lengths past 512."""

@@ -314,15 +314,20 @@ def op_calls(monkeypatch):
     return calls
 
 
-# The engine in bf16, fused ops on against off. The ops agree bit for bit but for
-# RMSNorm's rare one- or two-step differences, which pass through the layers into
-# bf16 logits (steps of 2^-4 nats between 8 and 16): the bound is two such steps,
-# as for the attention kernel (tests/test_cpu_attention_kernel.py); a wrong op
-# moves logprobs by nats. Where the torch path's top two are closer than
-# NEAR_TIE_NATS the greedy pick may go either way: that sequence's comparison
-# stops at the first divergence.
+# The engine, fused ops on against off, per dtype:
+# - bf16: the ops agree bit for bit but for RMSNorm's rare one- or two-step
+#   differences, which pass through the layers into bf16 logits (steps of 2^-4 nats
+#   between 8 and 16): the bound is two such steps, as for the attention kernel
+#   (tests/test_cpu_attention_kernel.py); a wrong op moves logprobs by nats. Where the
+#   torch path's top two are closer than NEAR_TIE_NATS the greedy pick may go either
+#   way: that sequence's comparison stops at the first divergence.
+# - fp32: their differences (a few fp32 ulps in RMSNorm and SiLU, see the module
+#   docstring) reach the logprobs as ~1e-6 nats on the tiny models; a wrong op moves
+#   them by far more than FP32_LOGPROB_TOL. Greedy tokens must be the same (no
+#   near-ties are allowed for: fp32 must stay token-exact).
 ENGINE_LOGPROB_TOL = 0.125
 NEAR_TIE_NATS = 0.1
+FP32_LOGPROB_TOL = 1e-4
 
 
 def _greedy(llm, prompts, max_tokens=16):
@@ -330,29 +335,6 @@ def _greedy(llm, prompts, max_tokens=16):
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     return [o.completions[0] for o in llm.generate(prompts, params)]
-
-
-@needs_lib
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q/k norm fused into RoPE
-def test_bf16_engine_with_fused_ops_matches_torch_ops(arch, op_calls):
-    from pagedserve.common.core.llm import LLM
-
-    llm = LLM(str(tiny_checkpoint(arch)), dtype="bfloat16", num_blocks=128)
-    model = llm.engine.model
-    assert model.ops is not None
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 23, 40, 70)]
-    fused = _greedy(llm, prompts)
-    layers = len(model.layers)
-    _assert_op_counts(op_calls, layers, arch)
-    op_calls.clear()
-    assert model.use_fused_ops(False) is False
-    llm.engine.block_manager.evict()  # no prefix-cache hits from the first run
-    torch_ops = _greedy(llm, prompts)
-    assert op_calls == {}
-    compared = bf16_paths_agree(fused, torch_ops, NEAR_TIE_NATS, ENGINE_LOGPROB_TOL)
-    assert compared >= 2 * 16
-    assert model.use_fused_ops() is True
 
 
 def _assert_op_counts(op_calls: dict[str, int], layers: int, arch: str) -> None:
@@ -369,34 +351,34 @@ def _assert_op_counts(op_calls: dict[str, int], layers: int, arch: str) -> None:
     }
 
 
-# fp32, fused ops on against off: their differences (a few fp32 ulps in RMSNorm and
-# SiLU, see the module docstring) reach the logprobs as ~1e-6 nats on the tiny
-# models; a wrong op moves them by far more than FP32_LOGPROB_TOL. Greedy tokens
-# must be the same (no near-ties are allowed for: fp32 must stay token-exact).
-FP32_LOGPROB_TOL = 1e-4
-
-
 @needs_lib
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_fp32_engine_with_fused_ops_matches_torch_ops(arch, op_calls):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: q/k norm fused into RoPE
+@pytest.mark.parametrize("dtype, seed", [("bfloat16", 3), ("float32", 4)])
+def test_engine_with_fused_ops_matches_torch_ops(dtype, seed, arch, op_calls):
+    """Greedy runs of the engine with the fused ops, then with torch's ops (the prompts'
+    seed per dtype is the one each dtype's test had before they were merged)."""
     from pagedserve.common.core.llm import LLM
 
-    llm = LLM(str(tiny_checkpoint(arch)), dtype="float32", num_blocks=128)
+    llm = LLM(str(tiny_checkpoint(arch)), dtype=dtype, num_blocks=128)
     model = llm.engine.model
     assert model.ops is not None
-    g = torch.Generator().manual_seed(4)
+    g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 23, 40, 70)]
     fused = _greedy(llm, prompts)
     _assert_op_counts(op_calls, len(model.layers), arch)
     op_calls.clear()
     assert model.use_fused_ops(False) is False
-    llm.engine.block_manager.evict()
+    llm.engine.block_manager.evict()  # no prefix-cache hits from the first run
     torch_ops = _greedy(llm, prompts)
     assert op_calls == {}
-    for a, b in zip(fused, torch_ops, strict=True):
-        assert a.token_ids == b.token_ids
-        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
-            assert abs(la.logprob - lb.logprob) <= FP32_LOGPROB_TOL
+    if dtype == "bfloat16":
+        compared = bf16_paths_agree(fused, torch_ops, NEAR_TIE_NATS, ENGINE_LOGPROB_TOL)
+        assert compared >= 2 * 16
+    else:
+        for a, b in zip(fused, torch_ops, strict=True):
+            assert a.token_ids == b.token_ids
+            for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+                assert abs(la.logprob - lb.logprob) <= FP32_LOGPROB_TOL
     assert model.use_fused_ops() is True
 
 

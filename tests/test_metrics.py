@@ -196,6 +196,11 @@ def test_one_disaggregated_request(cluster):
     assert p.value("pagedserve:kv_cache_usage_perc") == 0
     assert p.value("pagedserve:kv_open_leases") == 0
     assert p.value("pagedserve:kv_leases_expired_total") == 0
+    # Exported in place (the default: the cache is a /dev/shm file), pin returned on release.
+    assert p.value("pagedserve:kv_exports_in_place_total") == 1
+    assert p.value("pagedserve:kv_exports_in_place_capped_total") == 0
+    assert p.value("pagedserve:kv_in_place_pinned_bytes") == 0
+    assert p.value("pagedserve:kv_staged_bytes") == 0
     assert p.value("pagedserve:engine_steps_total") == 1
     assert p.value("pagedserve:engine_step_duration_seconds_count") == 1
     assert p.value("pagedserve:worker_info", block_size="16") == 1

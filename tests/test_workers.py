@@ -53,7 +53,10 @@ def started_workers(configs: dict[str, WorkerConfig]) -> Iterator[dict[str, Work
 def workers():
     ec = engine_config()
     configs = {
-        "pre": WorkerConfig("p0", "prefill", ec),
+        "pre": WorkerConfig("p0", "prefill", ec),  # in-place exports (the default)
+        # Staged exports: the copy that the checksum tests corrupt after it was sealed
+        # (an in-place lease has no copy of its own; tests/test_kv_inplace.py covers it).
+        "pre_staged": WorkerConfig("p1", "prefill", ec, kv_in_place=False),
         "dec": WorkerConfig("d0", "decode", ec),
         "dec_grpc": WorkerConfig("d1", "decode", ec, kv_transport="grpc"),
         "dec_fail": WorkerConfig(
@@ -178,7 +181,8 @@ def test_unpulled_lease_expires_and_frees(workers):
 
 
 def _corrupt(pre: WorkerRuntime, lease_id: str) -> None:
-    """Flip bytes of the staged copy after its checksums were computed."""
+    """Flip bytes of the staged copy after its checksums were computed (`pre` must
+    stage its exports: kv_in_place=False)."""
     staged = pre.kv_source.get(lease_id)
     flat = staged.payload.view(-1)
     flat[:8] = flat[:8] + 1.0
@@ -188,27 +192,27 @@ def _corrupt(pre: WorkerRuntime, lease_id: str) -> None:
 def test_corrupted_chunk_is_recomputed(workers, reference, which):
     p = prompt(5)
     req = tokenized(f"t-bad-{which}", p)
-    handle = stub(workers["pre"], worker_pb2_grpc.PrefillStub).Prefill(
+    handle = stub(workers["pre_staged"], worker_pb2_grpc.PrefillStub).Prefill(
         worker_pb2.PrefillRequest(request=req), timeout=30
     )
-    _corrupt(workers["pre"], handle.lease_id)
+    _corrupt(workers["pre_staged"], handle.lease_id)
     tokens, _, info = decode_all(workers[which], req, kv=handle)
     assert info.recomputed and "checksum" in info.error.lower()
     assert tokens[0] == reference(p).completions[0].token_ids
-    wait_clean(workers["pre"], workers[which])
+    wait_clean(workers["pre_staged"], workers[which])
 
 
 def test_corrupted_chunk_fails_cleanly_under_fail_policy(workers):
     req = tokenized("t-bad-fail", prompt(6))
-    handle = stub(workers["pre"], worker_pb2_grpc.PrefillStub).Prefill(
+    handle = stub(workers["pre_staged"], worker_pb2_grpc.PrefillStub).Prefill(
         worker_pb2.PrefillRequest(request=req), timeout=30
     )
-    _corrupt(workers["pre"], handle.lease_id)
+    _corrupt(workers["pre_staged"], handle.lease_id)
     with pytest.raises(grpc.RpcError) as err:
         decode_all(workers["dec_fail"], req, kv=handle)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "checksum" in err.value.details().lower()
-    wait_clean(workers["pre"], workers["dec_fail"])
+    wait_clean(workers["pre_staged"], workers["dec_fail"])
 
 
 def test_cancelled_decode_returns_blocks(workers):

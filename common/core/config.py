@@ -37,6 +37,11 @@ class CacheConfig:
     # Admission keeps this fraction of the pool free, so that running sequences can
     # grow a few steps before anything has to be preempted (vLLM's watermark).
     watermark: float = 0.01
+    # Allocate the cache in a shared-memory file in this directory (a tmpfs such as
+    # /dev/shm; CPU caches only), so that same-host KV pullers can read exported blocks
+    # in place (kv_cache.py, kvtransfer/source.py). None: ordinary memory. Falls back to
+    # ordinary memory, with a warning, when the directory lacks room.
+    shm_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -1,10 +1,12 @@
 /* Fused elementwise ops of the decoder on the CPU, bf16 and fp32: one pass over the data,
  * each bf16 rounding exactly where transformers' bf16 forward rounds. Built and loaded by
- * cpu_ops.py; see its docstring for why and for what each op replaces. The fp32 entry
- * points (at the end) are the same formulas without the roundings to bf16, each product,
- * sum and quotient rounded to fp32 in torch's order (-ffp-contract=off keeps the compiler
- * from fusing them); the sums of squares are in double as for bf16, and SiLU's exp is
- * the same polynomial, so those two differ from torch's by a few fp32 ulps (cpu_ops.py).
+ * cpu_ops.py; see its docstring for why and for what each op replaces. The fp32 row
+ * helpers (the "-- fp32 --" parts) are the same formulas without the roundings to bf16,
+ * each product, sum and quotient rounded to fp32 in torch's order (-ffp-contract=off
+ * keeps the compiler from fusing them); one macro instantiates the entry points for
+ * both types (DEFINE_ENTRY_POINTS, at the end). In fp32 the sums of squares are in
+ * double as for bf16, and SiLU's exp is the same polynomial, so those two differ from
+ * torch's by a few fp32 ulps (cpu_ops.py).
  *
  *   rms_norm       h = w * bf16(x * 1/sqrt(mean(x^2) + eps))            (w*... rounded)
  *   add_rms_norm   s = bf16(x + y);  h = rms_norm(s)
@@ -114,13 +116,13 @@ static inline float inv_rms_of(const __m512d acc[2], int64_t n, float eps) {
     return 1.0f / sqrtf(sum / (float)n + eps);
 }
 
-static float inv_rms(const uint16_t *x, int64_t n, float eps) {
+static float inv_rms_bf16(const uint16_t *x, int64_t n, float eps) {
     __m512d acc[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()};
     for (int64_t i = 0; i < n; i += 16) add_squares(acc, load_bf16(x + i, tail_mask(n - i)));
     return inv_rms_of(acc, n, eps);
 }
 
-static void scale_row(const uint16_t *x, const uint16_t *w, uint16_t *h, int64_t n, float r) {
+static void scale_row_bf16(const uint16_t *x, const uint16_t *w, uint16_t *h, int64_t n, float r) {
     const __m512 vr = _mm512_set1_ps(r);
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = tail_mask(n - i);
@@ -130,8 +132,7 @@ static void scale_row(const uint16_t *x, const uint16_t *w, uint16_t *h, int64_t
 }
 
 /* s = bf16(x + y); returns 1 / rms of s */
-static float add_row(const uint16_t *x, const uint16_t *y, uint16_t *s, int64_t n,
-                     float eps) {
+static float add_row_bf16(const uint16_t *x, const uint16_t *y, uint16_t *s, int64_t n, float eps) {
     __m512d acc[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()};
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = tail_mask(n - i);
@@ -152,7 +153,7 @@ static inline __m512 exp_v(__m512 z) {
     return exp512_reduced(z, n);
 }
 
-static void silu_mul_row(const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t n) {
+static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t n) {
     const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = tail_mask(n - i);
@@ -165,7 +166,7 @@ static void silu_mul_row(const uint16_t *g, const uint16_t *u, uint16_t *out, in
     }
 }
 
-static void rope_head(uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t half) {
+static void rope_head_bf16(uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t half) {
     for (int64_t i = 0; i < half; i += 16) {
         const __mmask16 m = tail_mask(half - i);
         const __m512 x1 = load_bf16(x + i, m), x2 = load_bf16(x + half + i, m);
@@ -240,7 +241,7 @@ static void rope_head_f32(float *x, const float *c, const float *s, int64_t half
 
 /* The squares summed in double, as in the AVX-512 path (a sequential fp32 sum strays
  * further from torch's blocked one: 2.3x as many differing outputs measured). */
-static float inv_rms(const uint16_t *x, int64_t n, float eps) {
+static float inv_rms_bf16(const uint16_t *x, int64_t n, float eps) {
     double sum = 0.0;
     for (int64_t i = 0; i < n; ++i) {
         const float v = bf16_to_f32(x[i]);
@@ -249,21 +250,18 @@ static float inv_rms(const uint16_t *x, int64_t n, float eps) {
     return 1.0f / sqrtf((float)sum / (float)n + eps);
 }
 
-static void scale_row(const uint16_t *x, const uint16_t *w, uint16_t *h, int64_t n,
-                             float r) {
+static void scale_row_bf16(const uint16_t *x, const uint16_t *w, uint16_t *h, int64_t n, float r) {
     for (int64_t i = 0; i < n; ++i)
         h[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(x[i]) * r));
 }
 
 /* s = bf16(x + y); returns 1 / rms of s */
-static float add_row(const uint16_t *x, const uint16_t *y, uint16_t *s, int64_t n,
-                     float eps) {
+static float add_row_bf16(const uint16_t *x, const uint16_t *y, uint16_t *s, int64_t n, float eps) {
     for (int64_t i = 0; i < n; ++i) s[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
-    return inv_rms(s, n, eps);
+    return inv_rms_bf16(s, n, eps);
 }
 
-static void silu_mul_row(const uint16_t *g, const uint16_t *u, uint16_t *out,
-                                int64_t n) {
+static void silu_mul_row_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) {
         const float gf = bf16_to_f32(g[i]);
         const float act = round_bf16(gf / (1.0f + expf(-gf)));
@@ -271,7 +269,7 @@ static void silu_mul_row(const uint16_t *g, const uint16_t *u, uint16_t *out,
     }
 }
 
-static void rope_head(uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t half) {
+static void rope_head_bf16(uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t half) {
     for (int64_t i = 0; i < half; ++i) {
         const float x1 = bf16_to_f32(x[i]), x2 = bf16_to_f32(x[i + half]);
         const float lo = round_bf16(x1 * bf16_to_f32(c[i])) -
@@ -323,96 +321,74 @@ static void rope_head_f32(float *x, const float *c, const float *s, int64_t half
 
 /* ---- entry points (bf16 as uint16_t; strides in elements; rows contiguous) -------- */
 
-/* out[t] = rms_norm(x[t]) * w for T rows of N; out may be x (in place). */
-void pagedserve_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w,
-                              uint16_t *out, int64_t out_stride, int64_t T, int64_t N,
-                              float eps, int num_threads) {
-#pragma omp parallel for num_threads(threads_for(T, N, num_threads)) schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-        const uint16_t *xt = x + t * x_stride;
-        scale_row(xt, w, out + t * out_stride, N, inv_rms(xt, N, eps));
-    }
-}
+/* `for` over the T rows of an entry point, split among threads_for(T, WORK, num_threads)
+ * threads by an OpenMP static schedule (DO_PRAGMA: WORK substituted, then stringized). */
+#define DO_PRAGMA(x) _Pragma(#x)
+#define PARALLEL_ROWS(WORK)                                                                 \
+    DO_PRAGMA(omp parallel for num_threads(threads_for(T, WORK, num_threads)) schedule(static))
 
-/* s = bf16(x + y) (s may be x or y: in place), h = rms_norm(s) * w; all [T, N]
- * contiguous. */
-void pagedserve_add_rms_norm_bf16(const uint16_t *x, const uint16_t *y, uint16_t *s,
-                                  const uint16_t *w, uint16_t *h, int64_t T, int64_t N,
-                                  float eps, int num_threads) {
-#pragma omp parallel for num_threads(threads_for(T, 2 * N, num_threads)) schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-        const float r = add_row(x + t * N, y + t * N, s + t * N, N, eps);
-        scale_row(s + t * N, w, h + t * N, N, r);
+/* The entry points of one element type E, named pagedserve_<op>_SFX, on that type's row
+ * helpers <helper>_SFX above. The bodies are the same for every type; what a type
+ * changes (the roundings to bf16 or their absence) lives in the helpers. A macro, as
+ * DEFINE_ONE_ROW_GENERIC in attention/cpu_attention.c, rather than one body taking
+ * helper pointers: the helpers stay inlined into the loops, and the bodies compile to
+ * the code the hand-written per-type copies did (so the results stay bit-identical).
+ *
+ *   pagedserve_rms_norm_SFX      out[t] = rms_norm(x[t]) * w for T rows of N; out may
+ *                                be x (in place).
+ *   pagedserve_add_rms_norm_SFX  s = x + y (rounded to E; s may be x or y: in place),
+ *                                h = rms_norm(s) * w; all [T, N] contiguous.
+ *   pagedserve_silu_and_mul_SFX  out [T, I] contiguous = silu(gate) * up, gate_up rows
+ *                                [gate: I | up: I] at gu_stride.
+ *   pagedserve_rope_SFX          in place on x [T, heads, D] (row t at x + t * x_stride,
+ *                                heads contiguous): each head first rms-normalized with
+ *                                norm_w [D] when norm_w is not NULL, then rotated by
+ *                                cos/sin [T, D] (row t at + t * cs_stride). D even.
+ *
+ * (E, not T, names the type: T is the row count.) */
+#define DEFINE_ENTRY_POINTS(SFX, E)                                                         \
+    void pagedserve_rms_norm_##SFX(const E *x, int64_t x_stride, const E *w, E *out,        \
+                                   int64_t out_stride, int64_t T, int64_t N, float eps,     \
+                                   int num_threads) {                                       \
+        PARALLEL_ROWS(N)                                                                    \
+        for (int64_t t = 0; t < T; ++t) {                                                   \
+            const E *xt = x + t * x_stride;                                                 \
+            scale_row_##SFX(xt, w, out + t * out_stride, N, inv_rms_##SFX(xt, N, eps));     \
+        }                                                                                   \
+    }                                                                                       \
+                                                                                            \
+    void pagedserve_add_rms_norm_##SFX(const E *x, const E *y, E *s, const E *w, E *h,      \
+                                       int64_t T, int64_t N, float eps, int num_threads) {  \
+        PARALLEL_ROWS(2 * N)                                                                \
+        for (int64_t t = 0; t < T; ++t) {                                                   \
+            const float r = add_row_##SFX(x + t * N, y + t * N, s + t * N, N, eps);         \
+            scale_row_##SFX(s + t * N, w, h + t * N, N, r);                                 \
+        }                                                                                   \
+    }                                                                                       \
+                                                                                            \
+    void pagedserve_silu_and_mul_##SFX(const E *gate_up, int64_t gu_stride, E *out,         \
+                                       int64_t T, int64_t I, int num_threads) {             \
+        PARALLEL_ROWS(2 * I)                                                                \
+        for (int64_t t = 0; t < T; ++t) {                                                   \
+            const E *g = gate_up + t * gu_stride;                                           \
+            silu_mul_row_##SFX(g, g + I, out + t * I, I);                                   \
+        }                                                                                   \
+    }                                                                                       \
+                                                                                            \
+    void pagedserve_rope_##SFX(E *x, int64_t x_stride, int64_t T, int64_t heads, int64_t D, \
+                               const E *cos, const E *sin, int64_t cs_stride,               \
+                               const E *norm_w, float eps, int num_threads) {               \
+        PARALLEL_ROWS(heads * D)                                                            \
+        for (int64_t t = 0; t < T; ++t) {                                                   \
+            const E *c = cos + t * cs_stride, *s = sin + t * cs_stride;                     \
+            for (int64_t j = 0; j < heads; ++j) {                                           \
+                E *xh = x + t * x_stride + j * D;                                           \
+                if (norm_w != NULL)                                                         \
+                    scale_row_##SFX(xh, norm_w, xh, D, inv_rms_##SFX(xh, D, eps));          \
+                rope_head_##SFX(xh, c, s, D / 2);                                           \
+            }                                                                               \
+        }                                                                                   \
     }
-}
 
-/* out [T, I] contiguous = silu(gate) * up, gate_up rows [gate: I | up: I] at gu_stride. */
-void pagedserve_silu_and_mul_bf16(const uint16_t *gate_up, int64_t gu_stride, uint16_t *out,
-                                  int64_t T, int64_t I, int num_threads) {
-#pragma omp parallel for num_threads(threads_for(T, 2 * I, num_threads)) schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-        const uint16_t *g = gate_up + t * gu_stride;
-        silu_mul_row(g, g + I, out + t * I, I);
-    }
-}
-
-/* In place on x [T, heads, D] (row t at x + t * x_stride, heads contiguous): each head
- * first rms-normalized with norm_w [D] when norm_w is not NULL, then rotated by
- * cos/sin [T, D] (row t at + t * cs_stride). D even. */
-void pagedserve_rope_bf16(uint16_t *x, int64_t x_stride, int64_t T, int64_t heads, int64_t D,
-                          const uint16_t *cos, const uint16_t *sin, int64_t cs_stride,
-                          const uint16_t *norm_w, float eps, int num_threads) {
-#pragma omp parallel for num_threads(threads_for(T, heads * D, num_threads)) schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-        const uint16_t *c = cos + t * cs_stride, *s = sin + t * cs_stride;
-        for (int64_t j = 0; j < heads; ++j) {
-            uint16_t *xh = x + t * x_stride + j * D;
-            if (norm_w != NULL) scale_row(xh, norm_w, xh, D, inv_rms(xh, D, eps));
-            rope_head(xh, c, s, D / 2);
-        }
-    }
-}
-
-/* ---- fp32 entry points: the same contracts as the bf16 ones above, float data --- */
-
-void pagedserve_rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out,
-                             int64_t out_stride, int64_t T, int64_t N, float eps,
-                             int num_threads) {
-#pragma omp parallel for num_threads(threads_for(T, N, num_threads)) schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-        const float *xt = x + t * x_stride;
-        scale_row_f32(xt, w, out + t * out_stride, N, inv_rms_f32(xt, N, eps));
-    }
-}
-
-void pagedserve_add_rms_norm_f32(const float *x, const float *y, float *s, const float *w,
-                                 float *h, int64_t T, int64_t N, float eps, int num_threads) {
-#pragma omp parallel for num_threads(threads_for(T, 2 * N, num_threads)) schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-        const float r = add_row_f32(x + t * N, y + t * N, s + t * N, N, eps);
-        scale_row_f32(s + t * N, w, h + t * N, N, r);
-    }
-}
-
-void pagedserve_silu_and_mul_f32(const float *gate_up, int64_t gu_stride, float *out,
-                                 int64_t T, int64_t I, int num_threads) {
-#pragma omp parallel for num_threads(threads_for(T, 2 * I, num_threads)) schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-        const float *g = gate_up + t * gu_stride;
-        silu_mul_row_f32(g, g + I, out + t * I, I);
-    }
-}
-
-void pagedserve_rope_f32(float *x, int64_t x_stride, int64_t T, int64_t heads, int64_t D,
-                         const float *cos, const float *sin, int64_t cs_stride,
-                         const float *norm_w, float eps, int num_threads) {
-#pragma omp parallel for num_threads(threads_for(T, heads * D, num_threads)) schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-        const float *c = cos + t * cs_stride, *s = sin + t * cs_stride;
-        for (int64_t j = 0; j < heads; ++j) {
-            float *xh = x + t * x_stride + j * D;
-            if (norm_w != NULL) scale_row_f32(xh, norm_w, xh, D, inv_rms_f32(xh, D, eps));
-            rope_head_f32(xh, c, s, D / 2);
-        }
-    }
-}
+DEFINE_ENTRY_POINTS(bf16, uint16_t)
+DEFINE_ENTRY_POINTS(f32, float)

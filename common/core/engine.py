@@ -152,7 +152,9 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, cc.block_size, self.model_id, cc.enable_prefix_caching
         )
-        self.kv_cache = KVCache(spec, num_blocks, cc.block_size, dtype, config.device)
+        self.kv_cache = KVCache(
+            spec, num_blocks, cc.block_size, dtype, config.device, shm_dir=cc.shm_dir
+        )
         swapper = HostSwapper(self.kv_cache) if cc.preemption_mode == "swap" else None
         self.scheduler = Scheduler(config.scheduler, cc, self.block_manager, swapper)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager)

@@ -210,6 +210,20 @@ class EngineLoop:
         self.call(register, timeout, on_abandon=abandoned)
         return stream
 
+    def post(self, fn: Callable[[LLMEngine], object]) -> None:
+        """Runs fn(engine) on the loop thread soon, without waiting (any thread, the loop
+        thread included: a step hook may post). For releases that must not block their
+        caller, e.g. a KV lease ending on a gRPC thread or in a step hook; errors are
+        logged. Commands run in the order they were queued."""
+
+        def run() -> None:
+            try:
+                fn(self.engine)
+            except Exception:
+                logger.exception("posted engine command failed")
+
+        self._commands.put(run)
+
     def abort(self, request_id: str) -> None:
         def run() -> None:
             out = self.engine.abort_request(request_id)

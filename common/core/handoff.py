@@ -18,6 +18,16 @@ The phases:
     prefill role     submit (prefill_only) -> first tokens -> export_begin -> copy -> export_end
     decode role      reserve_import -> pull -> commit_import | cancel_import
     prefix export    export_prefix_begin -> copy -> unpin
+
+An export *in place* (kvtransfer/source.py: the prefill worker's cache is in shared
+memory and the decode side reads the blocks where they are) does not copy at export:
+its blocks stay pinned until the lease ends. `export_begin(request_id, lease_pin)`
+then also pins them under the lease's own pin (`lease_pin_id`), taken before the lease
+exists so that no end of the lease can come before it; `export_end(request_id,
+unpin=lease_pin)` drops it at once when the export was staged after all, and the
+lease's end (release, expiry, close: KVSource's `on_end`) drops it otherwise, through
+`HandoffCalls.unpin_later` (EngineLoop.post: the end may come on a gRPC thread or in
+the engine's own step hook). A prefix export keeps its pin the same way.
     prefix import    reserve_prefix_import -> pull -> commit_prefix_import | unpin
 
 The guarantee every phase keeps: blocks another thread copies (export) or writes
@@ -60,6 +70,11 @@ def import_pin_id(request_id: str) -> str:
 def export_pin_id(request_id: str) -> str:
     """The pin holding a held request's blocks while they are copied out."""
     return f"{request_id}#export"
+
+
+def lease_pin_id(lease_id: str) -> str:
+    """The pin holding an in-place lease's blocks until the lease ends."""
+    return f"lease#{lease_id}"
 
 
 @dataclass(frozen=True)
@@ -143,12 +158,13 @@ class KVHandoff:
 
     # -- the prefill role: export a held request's prompt K/V --------------------------
 
-    def export_begin(self, request_id: str) -> ExportPlan | None:
+    def export_begin(self, request_id: str, lease_pin: str | None = None) -> ExportPlan | None:
         """Pins the held request's prompt blocks for the copy; None if nothing is held
         (every sample ended on its first token, or the request was aborted).
 
         An abort during the copy releases the held samples, but the pin keeps the blocks
-        from being reused, and overwritten, until `export_end`."""
+        from being reused, and overwritten, until `export_end`. `lease_pin`: pin them
+        under that id too, for an in-place export (the module docstring)."""
         seqs = self.held.get(request_id)
         if not seqs:
             return None
@@ -156,17 +172,21 @@ class KVHandoff:
         n = seq.num_computed_tokens
         table = self._bm.block_table(seq.seq_id)[: -(-n // self._bm.block_size)]
         hashes = self._bm.seq_block_hashes(seq.seq_id)
-        pin = export_pin_id(request_id)
-        self._bm.fork(seq.seq_id, pin)
-        self.pinned.add(pin)
+        for pin in (export_pin_id(request_id), lease_pin):
+            if pin is not None:
+                self._bm.fork(seq.seq_id, pin)
+                self.pinned.add(pin)
         states = {s.index: generator_state(s.generator) for s in seqs if s.generator}
         return ExportPlan(table, hashes, n, states)
 
-    def export_end(self, request_id: str) -> int:
-        """The copy is over (or never happened): the held samples and the pin end.
+    def export_end(self, request_id: str, unpin: str | None = None) -> int:
+        """The copy is over (or never happened): the held samples and the pin end, and
+        pin `unpin` if given (a lease pin whose export was staged, or failed).
         Idempotent; returns how many held samples were released."""
         released = self.release_held(request_id)
         self.unpin(export_pin_id(request_id))
+        if unpin is not None:
+            self.unpin(unpin)
         return released
 
     # -- prefix export: pin a cached prefix while it is copied out ---------------------
@@ -337,15 +357,20 @@ class HandoffCalls:
         self.loop = loop
         self.timeout = timeout
 
-    def export_begin(self, request_id: str) -> ExportPlan | None:
+    def export_begin(self, request_id: str, lease_pin: str | None = None) -> ExportPlan | None:
         return self.loop.call(
-            lambda e: e.handoff.export_begin(request_id),
+            lambda e: e.handoff.export_begin(request_id, lease_pin),
             self.timeout,
-            on_abandon=lambda e, _plan: e.handoff.export_end(request_id),
+            on_abandon=lambda e, _plan: e.handoff.export_end(request_id, lease_pin),
         )
 
-    def export_end(self, request_id: str) -> None:
-        self.loop.call(lambda e: e.handoff.export_end(request_id), self.timeout)
+    def export_end(self, request_id: str, unpin: str | None = None) -> None:
+        self.loop.call(lambda e: e.handoff.export_end(request_id, unpin), self.timeout)
+
+    def unpin_later(self, pin_id: str) -> None:
+        """Ends a pin on the engine thread without waiting (EngineLoop.post): for an
+        in-place lease's end, which may come on any thread, the engine's included."""
+        self.loop.post(lambda e: e.handoff.unpin(pin_id))
 
     def export_prefix_begin(
         self, pin_id: str, token_ids: list[int], cache_salt: str | None

@@ -24,13 +24,39 @@ blocks are adjacent).
 
 Block ids are physical: which block belongs to which sequence is the block
 manager's business; this class only stores bytes and copies blocks.
+
+Shared memory (`shm_dir`, CPU caches only): the tensor is then a MAP_SHARED mapping
+of a file `pagedserve-kvcache-<pid>-<random>` in that directory (a tmpfs, /dev/shm),
+its pages allocated and faulted in up front (common/shm.py: a full tmpfs fails at
+start-up with ENOSPC, never with SIGBUS later), so that a KV exporter on the same host
+can let pullers read exported blocks where they are, one copy instead of two
+(kvtransfer/source.py, in-place exports; it finds the file by the tensor's address,
+`shm.shared_file_of`). Attention and K/V writes cost the same on tmpfs pages as on
+anonymous ones (benchmarks/NOTES.md, "KV transfer in place"). When the directory lacks
+room the cache falls back to ordinary memory and says so in a log line. The file is
+unlinked by `close()`, or when the cache is collected or the interpreter exits; the
+files of processes that died without that are found by `remove_stale_cache_files`.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+import secrets
+import weakref
+from contextlib import suppress
+from pathlib import Path
+
 import torch
 
+from pagedserve.common import shm
 from pagedserve.common.api.model_config import ModelSpec
+
+logger = logging.getLogger(__name__)
+CACHE_FILE_PREFIX = "pagedserve-kvcache-"
+# group 1: the creating process's pid; then 16 hex digits (several caches per process)
+CACHE_FILE_NAME = re.compile(rf"{CACHE_FILE_PREFIX}(\d{{1,10}})-[0-9a-f]{{16}}")
 
 
 class KVCache:
@@ -43,7 +69,10 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: str | torch.device,
+        shm_dir: str | Path | None = None,
     ) -> None:
+        """shm_dir: allocate the cache in a shared-memory file there (see the module
+        docstring); None, or a device other than the CPU: ordinary memory."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         if block_size <= 0:
@@ -53,12 +82,47 @@ class KVCache:
         self.block_size = block_size
         self.dtype = dtype
         self.device = torch.device(device)
-        # Zero-filled so that padded slots (never attended to) hold finite values.
-        self.kv = torch.zeros(
-            (num_blocks, spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim),
-            dtype=dtype,
-            device=self.device,
-        )
+        shape = (num_blocks, spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
+        self.shm_path: Path | None = None  # the shared file holding the cache, if any
+        self._finalizer: weakref.finalize | None = None
+        kv = None
+        if shm_dir is not None and self.device.type == "cpu":
+            kv = self._allocate_shared(Path(shm_dir), shape, dtype)
+        # Zero-filled so that padded slots (never attended to) hold finite values (a new
+        # tmpfs file's pages are zeros too).
+        self.kv = kv if kv is not None else torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def _allocate_shared(self, shm_dir: Path, shape: tuple, dtype: torch.dtype):
+        """The cache tensor in a new shared file, or None (logged) when there is no room."""
+        nbytes = dtype.itemsize
+        for n in shape:
+            nbytes *= n
+        size = -(-nbytes // shm.PAGE) * shm.PAGE
+        path = shm_dir / f"{CACHE_FILE_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            shm.check_room(shm_dir, size)
+            mapping = shm.create_shm(path, size)
+        except OSError as e:
+            logger.warning(
+                "KV cache (%d bytes) in ordinary memory, not in shared memory: %s "
+                "(in-place KV exports off; exports are staged)",
+                size,
+                e,
+            )
+            return None
+        flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)  # keeps `mapping`
+        self.shm_path = path
+        address = flat.data_ptr()
+        shm.register(shm.SharedFile(path, address, size))
+        self._finalizer = weakref.finalize(self, _unlink_cache_file, path, address)
+        logger.info("KV cache in shared memory: %s (%.1f MiB)", path, size / 2**20)
+        return flat.view(dtype).view(shape)
+
+    def close(self) -> None:
+        """Unlink the cache's shared file, if any (idempotent). The memory stays mapped
+        for this cache and for pullers that map it until the last mapping goes."""
+        if self._finalizer is not None:
+            self._finalizer()
 
     @property
     def num_layers(self) -> int:
@@ -114,6 +178,17 @@ class KVCache:
         if len(set(block_ids)) != len(block_ids):
             raise ValueError(f"write_blocks: duplicate block ids {block_ids}")
         self.kv.index_copy_(0, ids, data.to(device=self.device, dtype=self.dtype))
+
+
+def _unlink_cache_file(path: Path, address: int) -> None:
+    shm.unregister(address)
+    with suppress(FileNotFoundError):
+        path.unlink()
+
+
+def remove_stale_cache_files(shm_dir: str | Path = shm.SHM_DIR) -> list[str]:
+    """Unlink KV cache files whose process is gone; returns their names."""
+    return shm.remove_stale(Path(shm_dir), CACHE_FILE_NAME)
 
 
 def num_blocks_for_budget(

@@ -63,6 +63,9 @@ Series (labels `model_name`, `pool`, `worker` on all):
   pagedserve:kv_open_leases, pagedserve:kv_leases_expired_total, pagedserve:kv_staged_bytes
   pagedserve:kv_exports_refused_total                   exports refused at a staging cap
   pagedserve:kv_exports_private_total                   exports staged privately (/dev/shm full)
+  pagedserve:kv_exports_in_place_total                  exports read in place (no copy)
+  pagedserve:kv_exports_in_place_capped_total           staged instead: the in-place pin cap
+  pagedserve:kv_in_place_pinned_bytes                   cache bytes pinned by in-place leases
   pagedserve:kv_transfer_pulls_total{transport}         successful pulls into this worker
   pagedserve:kv_transfer_bytes_total{transport}         KV payload bytes pulled
   pagedserve:kv_transfer_blocks_total{outcome}          pulled / reused (offered, already held)
@@ -133,6 +136,13 @@ HELP = {
     "kv_exports_private": (
         "KV exports staged in private memory (shared memory full): pulled over gRPC."
     ),
+    "kv_exports_in_place": "KV exports read in place out of this worker's cache (no copy).",
+    "kv_exports_in_place_capped": (
+        "KV exports staged instead of in place: in-place leases pinned kv_max_in_place_bytes."
+    ),
+    "kv_in_place_pinned_bytes": (
+        "KV cache bytes pinned by open in-place leases (kept from reuse until released)."
+    ),
     "kv_transfer_pulls": "Successful KV pulls into this worker, by the transport that moved them.",
     "kv_transfer_bytes": "KV payload bytes pulled into this worker.",
     "kv_transfer_blocks": (
@@ -177,6 +187,9 @@ class WorkerSnapshot:
     prompt_tokens: int = 0  # prompts prefilled here, cache hits included (request_stats)
     exports_refused_total: int = 0  # KVSource.refused_total
     exports_private_total: int = 0  # KVSource.private_fallbacks
+    exports_in_place_total: int = 0  # KVSource.in_place_total
+    exports_in_place_capped_total: int = 0  # KVSource.in_place_refused
+    in_place_pinned_bytes: int = 0  # KVSource.pinned_bytes
     transfer: TransferSnapshot | None = None
 
 
@@ -260,6 +273,9 @@ class _WorkerCollector(Collector):
         f.gauge("kv_staged_bytes", snap.staged_bytes)
         f.counter("kv_exports_refused", snap.exports_refused_total)
         f.counter("kv_exports_private", snap.exports_private_total)
+        f.counter("kv_exports_in_place", snap.exports_in_place_total)
+        f.counter("kv_exports_in_place_capped", snap.exports_in_place_capped_total)
+        f.gauge("kv_in_place_pinned_bytes", snap.in_place_pinned_bytes)
         _transfer_families(f, snap.transfer or TransferSnapshot())
         if snap.engine is not None and snap.blocks is not None:
             _engine_families(f, snap, snap.engine, snap.blocks)
@@ -416,6 +432,9 @@ class WorkerMetrics:
                 prompt_tokens=engine.request_stats.prompt_tokens,
                 exports_refused_total=source.refused_total,
                 exports_private_total=source.private_fallbacks,
+                exports_in_place_total=source.in_place_total,
+                exports_in_place_capped_total=source.in_place_refused,
+                in_place_pinned_bytes=source.pinned_bytes,
                 transfer=transfer_stats.snapshot() if transfer_stats is not None else None,
             )
 

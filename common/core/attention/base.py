@@ -153,12 +153,29 @@ def _slot_rows(
     return rows
 
 
+def tile_contiguous(cache: torch.Tensor) -> bool:
+    """Whether `cache` [NB, BS, KVH, D] has each block's [BS, KVH, D] tile contiguous and
+    blocks at least a tile apart: a contiguous tensor or a layer view of the
+    block-major cache (kv_cache.py), the layouts of the module docstring. The one
+    definition of that predicate: the C kernel's `cpu_kernel.fits` asks it, and
+    `_token_rows` (write_kv) raises when it fails."""
+    if cache.ndim != 4:
+        return False
+    _, bs, kvh, d = cache.shape
+    st = cache.stride()
+    return st[3] == 1 and st[2] == d and st[1] == kvh * d and st[0] >= bs * kvh * d
+
+
 def _token_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(rows, rows_per_block): `cache` [NB, BS, kvh, d] with contiguous block tiles as
-    a contiguous [(NB - 1) * rows_per_block + BS, kvh, d] view (see `write_kv`)."""
+    a contiguous [(NB - 1) * rows_per_block + BS, kvh, d] view (see `write_kv`).
+
+    Beyond `tile_contiguous`, the block stride must be a whole number of token rows
+    (kvh * d), or block b would not start at a row of the view; the block-major cache's
+    stride always is (layers * 2 * BS * kvh * d), the C kernel does not need it."""
     nb, bs, h, d = cache.shape
     st = cache.stride()
-    if st[1:] != (h * d, d, 1) or st[0] % (h * d) or st[0] < bs * h * d:
+    if not tile_contiguous(cache) or st[0] % (h * d):
         raise ValueError(
             f"KV cache view with strides {st} for shape {tuple(cache.shape)}: each block's "
             "[block_size, kvh, head_dim] tile must be contiguous"

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.common.core import cbuild
+from pagedserve.common.core.attention.base import tile_contiguous
 from pagedserve.common.core.cbuild import cache_dir  # noqa: F401 (this module's API)
 
 log = logging.getLogger(__name__)
@@ -137,17 +138,6 @@ def attend(
             f"query row {i}: length {int(lens[i])}, sequence {seq} or a block id in "
             f"{table} is out of range (block_size {bs}, {nb} blocks)"
         )
-
-
-def tile_contiguous(cache: torch.Tensor) -> bool:
-    """Whether `cache` [NB, BS, KVH, D] has each block's [BS, KVH, D] tile contiguous and
-    blocks at least a tile apart: a contiguous tensor or a layer view of the
-    block-major cache (kv_cache.py), the layouts the kernel reads."""
-    if cache.ndim != 4:
-        return False
-    _, bs, kvh, d = cache.shape
-    st = cache.stride()
-    return st[3] == 1 and st[2] == d and st[1] == kvh * d and st[0] >= bs * kvh * d
 
 
 def fits(

@@ -58,7 +58,13 @@ from pagedserve.kvtransfer.validate import (
     check_handle,
     check_prefix_handle,
 )
-from pagedserve.kvtransfer.wire import ChunkHeader, KVSink, KVTransferError, TransferCancelled
+from pagedserve.kvtransfer.wire import (
+    ChunkHeader,
+    KVSink,
+    KVTransferError,
+    TransferCancelled,
+    tensor_view,
+)
 from pagedserve.v1 import kvtransfer_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -256,10 +262,22 @@ class StopOnCancel:
     def bind(self, header: ChunkHeader) -> None:
         self._check()
         self.sink.bind(header)
+        self._header = header
 
     def write_units(self, unit_start: int, data: torch.Tensor) -> None:
         self._check()
         self.sink.write_units(unit_start, data)
+
+    def write_unit_bytes(self, unit_start: int, count: int, buf: memoryview) -> None:
+        """Forwards a gRPC chunk's raw bytes (KVSink in kvtransfer/wire.py), as a tensor
+        view when the wrapped sink takes tensors only."""
+        self._check()
+        write = getattr(self.sink, "write_unit_bytes", None)
+        if write is not None:
+            write(unit_start, count, buf)
+            return
+        h = self._header
+        self.sink.write_units(unit_start, tensor_view(buf, h.dtype, (count, *h.unit_shape)))
 
     def _check(self) -> None:
         if self.cancelled.is_set():

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from pagedserve.kvtransfer.wire import ChunkHeader
+from pagedserve.kvtransfer.wire import ChunkHeader, tensor_view
 
 
 class RowMap:
@@ -119,6 +119,16 @@ def _copy_runs(
             rows[row : row + b - a].copy_(units[a:b])
 
 
+def _copy_run_bytes(
+    rows: np.ndarray, row_map: RowMap, unit_start: int, count: int, buf: memoryview
+) -> None:
+    """`count` units of raw bytes (units unit_start..) into `rows`, one copy per run:
+    `_copy_runs` without the torch views (a gRPC chunk arrives as bytes)."""
+    src = np.frombuffer(buf, dtype=np.uint8).reshape(count, rows.shape[1])
+    for a, b, row in row_map.pieces(unit_start, count):
+        rows[row : row + b - a] = src[a:b]
+
+
 class TensorSink:
     """Writes a transfer into `out`: [n, L, 2, block_size, kvh, head_dim] (a view is fine)."""
 
@@ -139,6 +149,14 @@ class TensorSink:
             )
         if self.out.dtype != header.dtype:
             raise ValueError(f"out is {self.out.dtype}, the transfer is {header.dtype}")
+
+    def write_unit_bytes(self, unit_start: int, count: int, buf: memoryview) -> None:
+        """`write_units` for `count` units as raw bytes (see KVSink in wire.py)."""
+        if isinstance(self._rows, np.ndarray):
+            _copy_run_bytes(self._rows, self._map, unit_start, count, buf)
+        else:
+            shape = (count, *self.out.shape[3:])
+            self.write_units(unit_start, tensor_view(buf, self.out.dtype, shape))
 
     def copy_from(self, src: np.ndarray, src_map: RowMap) -> bool:
         """The whole bound transfer from rows `src` (see `copy_mapped`) in one pass;
@@ -211,6 +229,16 @@ class CacheSink:
         # unit (p, row) -> cache row ids[p] * 2 * num_layers + 2 * layer_start + row
         stride = 2 * self.kv.shape[1]
         self._map = RowMap(self.ids, header.units_per_block, stride, 2 * header.layer_start)
+
+    def write_unit_bytes(self, unit_start: int, count: int, buf: memoryview) -> None:
+        """`write_units` for `count` units as raw bytes (see KVSink in wire.py)."""
+        if self._map is None:
+            raise RuntimeError("CacheSink.write_unit_bytes before bind")
+        if isinstance(self._rows, np.ndarray):
+            _copy_run_bytes(self._rows, self._map, unit_start, count, buf)
+        else:
+            shape = (count, *self.kv.shape[3:])
+            self.write_units(unit_start, tensor_view(buf, self.kv.dtype, shape))
 
     def copy_from(self, src: np.ndarray, src_map: RowMap) -> bool:
         """The whole bound transfer from rows `src` (see `copy_mapped`) in one pass;

@@ -463,7 +463,10 @@ class GrpcTransport(KVTransport):
             # while this thread waited for k + 1 was measured (2026-12-01, 2-core EPYC,
             # three alternating runs each) and did not pay: median gRPC/raw 60-85% without it,
             # 63-74% with it; sender and receiver already keep both cores busy, so the
-            # hand-off per chunk is pure overhead.
+            # hand-off per chunk is pure overhead. Re-checked 2026-12-02 on a 2-core
+            # Skylake-SP: raw stream and pull both use ~2 cores per unit of wall time,
+            # so the ratio is a CPU ratio; what is left is copies and per-chunk Python
+            # (NOTES.md, "gRPC KV transport against a raw gRPC stream").
             try:
                 for message in stream:
                     asm.add(*unframe_kvchunk(message))

@@ -310,6 +310,47 @@ def header_length(buf: bytes | memoryview) -> int:
     return struct.unpack_from("<I", buf, 8)[0]
 
 
+# Byte ranges of a header that every chunk of one transfer shares (all but chunk_index,
+# unit_start, unit_count, payload_len and the checksum): see `decode_sibling_header`.
+_SHARED_SPANS = ((0, 36), (40, 44), (_FIXED.size, None))
+# chunk_index, (chunk_count skipped), unit_start, unit_count, payload_len: bytes 36-56
+_PER_CHUNK = struct.Struct("<I4xIII")
+
+
+def decode_sibling_header(
+    first: ChunkHeader, first_raw: bytes, buf: bytes | memoryview
+) -> ChunkHeader | None:
+    """`decode_header(buf)` for a chunk whose header repeats `first_raw` (the raw header
+    of an accepted chunk `first` of the same transfer) outside its per-chunk fields, or
+    None when it does not (the caller then decodes it in full, with its errors).
+
+    Why: a gRPC pull decodes one header per 1 MiB message, and the full decode (struct,
+    a named tuple, UTF-8, 128 block ids) plus `same_transfer` (11 field comparisons)
+    cost ~30 us of Python each (2026-12-02, NOTES.md). As strict as the full path:
+    the shared bytes are byte-equal to a header that passed `decode_header`, so magic,
+    version, dtype, checksum kind, header length, request id and block ids are valid and
+    `same_transfer(first)` holds; the per-chunk fields go through the same `_validate`.
+    """
+    mv = memoryview(buf)
+    if len(mv) != len(first_raw):
+        return None
+    for a, b in _SHARED_SPANS:
+        if mv[a:b] != first_raw[a:b]:
+            return None
+    index, unit_start, unit_count, payload_len = _PER_CHUNK.unpack_from(mv, 36)
+    (value,) = struct.unpack_from("<Q", mv, _CHECKSUM_OFFSET)
+    h = _replace(
+        first,
+        chunk_index=index,
+        unit_start=unit_start,
+        unit_count=unit_count,
+        payload_len=payload_len,
+        checksum=value,
+    )
+    _validate(h)
+    return h
+
+
 def _validate(h: ChunkHeader) -> None:
     if not 0 <= h.layer_start < h.layer_end <= h.num_layers:
         raise KVTransferError(
@@ -568,6 +609,12 @@ class KVSink(Protocol):
         """
         ...
 
+    # Optional: `write_unit_bytes(unit_start, count, buf)`, the same units as raw bytes
+    # (a memoryview of `count` units in the bound transfer's dtype and unit shape). When
+    # a sink has it, ChunkAssembler calls it instead of `write_units` for chunks given as
+    # bytes (gRPC), sparing a tensor view per chunk. Not part of the Protocol, so
+    # wrappers that only forward `write_units` keep working.
+
 
 class ChunkAssembler:
     """Receives one transfer's chunks in any order and writes each into a sink.
@@ -599,10 +646,27 @@ class ChunkAssembler:
         self.units_written = 0
         self.payload_bytes = 0
         self._pending: deque[Future[None]] = deque()
+        self._first_raw: bytes | None = None  # raw header of `first`, when given to add()
+        # A sink that takes a chunk's raw bytes (CacheSink, TensorSink on CPU) skips the
+        # per-chunk tensor view (~40 us of torch calls per chunk, NOTES.md 2026-12-02).
+        self._write_bytes = getattr(sink, "write_unit_bytes", None)
 
     def add(self, header_bytes: bytes | memoryview, payload: bytes | memoryview) -> ChunkHeader:
-        """Check one chunk (checksum possibly in the background) and hand it to the sink."""
-        return self.add_decoded(decode_header(header_bytes), header_bytes, payload)
+        """Check one chunk (checksum possibly in the background) and hand it to the sink.
+
+        After the first chunk, a header that repeats the first one's shared fields is
+        decoded by `decode_sibling_header` (the per-chunk fields only); any other goes
+        through `decode_header` and the membership check as before."""
+        header = None
+        if self.first is not None and self._first_raw is not None:
+            header = decode_sibling_header(self.first, self._first_raw, header_bytes)
+        if header is None:
+            header = decode_header(header_bytes)
+        first = self.first
+        result = self.add_decoded(header, header_bytes, payload)
+        if first is None:  # accepted as the transfer's first chunk
+            self._first_raw = bytes(header_bytes)
+        return result
 
     def add_decoded(
         self,
@@ -630,13 +694,17 @@ class ChunkAssembler:
                 self._pending.popleft().result()
         else:
             verify(header, header_bytes, payload)
-        if data is None:
-            data = tensor_view(payload, header.dtype, (header.unit_count, *header.unit_shape))
-        elif data.shape[0] != header.unit_count:
-            raise KVTransferError(
-                f"chunk {header.chunk_index}: {data.shape[0]} units given for {header.unit_count}"
-            )
-        self.sink.write_units(header.unit_start, data)
+        if data is None and self._write_bytes is not None:
+            self._write_bytes(header.unit_start, header.unit_count, payload)
+        else:
+            if data is None:
+                data = tensor_view(payload, header.dtype, (header.unit_count, *header.unit_shape))
+            elif data.shape[0] != header.unit_count:
+                raise KVTransferError(
+                    f"chunk {header.chunk_index}: {data.shape[0]} units given for "
+                    f"{header.unit_count}"
+                )
+            self.sink.write_units(header.unit_start, data)
         self.seen.add(header.chunk_index)
         self.units_written += header.unit_count
         self.payload_bytes += header.payload_len
@@ -818,8 +886,19 @@ def frame_kvchunk(header_bytes: bytes | memoryview, payload: bytes | memoryview)
 
 
 def unframe_kvchunk(buf: bytes | memoryview) -> tuple[memoryview, memoryview]:
-    """(header, payload) views into a serialized KVChunk; unknown fields are skipped."""
+    """(header, payload) views into a serialized KVChunk; unknown fields are skipped.
+
+    The layout `frame_kvchunk` writes (field 1, then field 2, nothing else) is read
+    directly; anything else goes through the general field loop below (same result
+    for that layout, so the fast path accepts nothing the loop would refuse)."""
     mv = memoryview(buf)
+    if len(mv) > 1 and mv[0] == 0x0A:
+        hlen, pos = _read_varint(mv, 1)
+        hend = pos + hlen
+        if hend < len(mv) and mv[hend] == 0x12:
+            plen, ppos = _read_varint(mv, hend + 1)
+            if ppos + plen == len(mv):
+                return mv[pos:hend], mv[ppos:]
     fields: dict[int, memoryview] = {}
     pos = 0
     while pos < len(mv):

@@ -181,12 +181,13 @@ class ShmTransport(KVTransport):
         """max_mapped_bytes: exporters' segment files kept mapped between pulls
         (segment.MappingCache); 0 maps every pull afresh. max_cache_mapped_bytes: the
         same for exporters' KV cache files (in-place leases): a cache lives as long as
-        its worker and is mapped whole, so the cap is on address space, not memory (the
-        pages are the exporter's); a mapping goes when its file is unlinked."""
+        its worker and is mapped whole, lazily (see MappingCache's populate), so the cap
+        is on address space, not memory (the pages are the exporter's); a mapping goes
+        when its file is unlinked."""
         self.shm_dir = Path(shm_dir)
         self.overlap = overlap  # checksums on the helper thread (see ChunkAssembler)
         self.mappings = MappingCache(max_mapped_bytes)
-        self.cache_mappings = MappingCache(max_cache_mapped_bytes)
+        self.cache_mappings = MappingCache(max_cache_mapped_bytes, populate=False)
 
     def pull_into(self, handle, sink, block_ids=None, layers=None, *, timeout=None) -> PullResult:
         spec = request_spec(handle, block_ids, layers)

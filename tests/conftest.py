@@ -5,8 +5,10 @@ at the top of the first module pytest loads. No test needs a GPU: Triton kernels
 run in the interpreter on CPU tensors.
 """
 
+import contextlib
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -50,6 +52,20 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 def pytest_unconfigure(config) -> None:
     if _session_status is None or os.environ.get("PAGEDSERVE_TEST_FINALIZE") == "1":
         return
+    _unlink_own_shm_files()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(_session_status)
+
+
+def _unlink_own_shm_files() -> None:
+    """What this process's exit handlers would have unlinked, had os._exit run them: its
+    KV segments and KV cache files in /dev/shm (named with its pid: a cache a failed test
+    never closed, a segment of an exporter it never closed). Not every atexit handler
+    (Ray's among them), as the crash above may lie in one of those."""
+    shm = Path("/dev/shm")
+    pid = os.getpid()
+    for prefix in (f"pagedserve-kv-{pid}-", f"pagedserve-kvcache-{pid}-"):
+        for path in shm.glob(prefix + "*") if shm.is_dir() else ():
+            with contextlib.suppress(OSError):
+                path.unlink()

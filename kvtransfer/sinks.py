@@ -129,7 +129,45 @@ def _copy_run_bytes(
         rows[row : row + b - a] = src[a:b]
 
 
-class TensorSink:
+class _RowSink:
+    """What both sinks share: a target tensor (`_target`) seen as rows of unit bytes
+    (`_rows`, see `unit_rows`; None when it is strided) and the map of the bound
+    transfer's units onto those rows (`_map`; None until `bind` where it depends on
+    the transfer). A subclass sets the three and writes strided targets itself
+    (`write_units`)."""
+
+    _target: torch.Tensor
+    _rows: torch.Tensor | np.ndarray | None
+    _map: RowMap | None
+
+    def _bound(self, method: str) -> RowMap:
+        if self._map is None:
+            raise RuntimeError(f"{type(self).__name__}.{method} before bind")
+        return self._map
+
+    def write_units(self, unit_start: int, data: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def write_unit_bytes(self, unit_start: int, count: int, buf: memoryview) -> None:
+        """`write_units` for `count` units as raw bytes (see KVSink in wire.py)."""
+        row_map = self._bound("write_unit_bytes")
+        if isinstance(self._rows, np.ndarray):
+            _copy_run_bytes(self._rows, row_map, unit_start, count, buf)
+        else:
+            shape = (count, *self._target.shape[3:])
+            self.write_units(unit_start, tensor_view(buf, self._target.dtype, shape))
+
+    def copy_from(self, src: np.ndarray, src_map: RowMap) -> bool:
+        """The whole bound transfer from rows `src` (see `copy_mapped`) in one pass;
+        False when this sink cannot (a GPU or strided target): use write_units."""
+        row_map = self._bound("copy_from")
+        if not isinstance(self._rows, np.ndarray):
+            return False
+        copy_mapped(self._rows, row_map, src, src_map)
+        return True
+
+
+class TensorSink(_RowSink):
     """Writes a transfer into `out`: [n, L, 2, block_size, kvh, head_dim] (a view is fine)."""
 
     def __init__(self, out: torch.Tensor) -> None:
@@ -137,7 +175,7 @@ class TensorSink:
             raise ValueError(
                 f"out must be [n, L, 2, block_size, kvh, head_dim], got {tuple(out.shape)}"
             )
-        self.out = out
+        self.out = self._target = out
         self._rows = unit_rows(out)
         n, L = out.shape[:2]
         self._map = RowMap(range(n), 2 * L, 2 * L)  # out's rows are the units: one run
@@ -150,22 +188,6 @@ class TensorSink:
         if self.out.dtype != header.dtype:
             raise ValueError(f"out is {self.out.dtype}, the transfer is {header.dtype}")
 
-    def write_unit_bytes(self, unit_start: int, count: int, buf: memoryview) -> None:
-        """`write_units` for `count` units as raw bytes (see KVSink in wire.py)."""
-        if isinstance(self._rows, np.ndarray):
-            _copy_run_bytes(self._rows, self._map, unit_start, count, buf)
-        else:
-            shape = (count, *self.out.shape[3:])
-            self.write_units(unit_start, tensor_view(buf, self.out.dtype, shape))
-
-    def copy_from(self, src: np.ndarray, src_map: RowMap) -> bool:
-        """The whole bound transfer from rows `src` (see `copy_mapped`) in one pass;
-        False when this sink cannot (not a contiguous CPU tensor): use write_units."""
-        if not isinstance(self._rows, np.ndarray):
-            return False
-        copy_mapped(self._rows, self._map, src, src_map)
-        return True
-
     def write_units(self, unit_start: int, data: torch.Tensor) -> None:
         data = data.to(self.out.device)
         if self._rows is not None:
@@ -177,7 +199,7 @@ class TensorSink:
             self.out[p, r // 2, r % 2].copy_(data[j])
 
 
-class CacheSink:
+class CacheSink(_RowSink):
     """Writes a transfer straight into a paged KV cache, at the receiver's block ids.
 
     kv: [num_blocks, num_layers, 2, block_size, kvh, head_dim], the whole block-major
@@ -203,7 +225,7 @@ class CacheSink:
             raise ValueError(f"destination block ids {bad} out of range [0, {kv.shape[0]})")
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate destination block ids in {ids}")
-        self.kv = kv
+        self.kv = self._target = kv
         self.ids = ids
         self.n = len(ids)
         self.layer_start = 0
@@ -230,34 +252,13 @@ class CacheSink:
         stride = 2 * self.kv.shape[1]
         self._map = RowMap(self.ids, header.units_per_block, stride, 2 * header.layer_start)
 
-    def write_unit_bytes(self, unit_start: int, count: int, buf: memoryview) -> None:
-        """`write_units` for `count` units as raw bytes (see KVSink in wire.py)."""
-        if self._map is None:
-            raise RuntimeError("CacheSink.write_unit_bytes before bind")
-        if isinstance(self._rows, np.ndarray):
-            _copy_run_bytes(self._rows, self._map, unit_start, count, buf)
-        else:
-            shape = (count, *self.kv.shape[3:])
-            self.write_units(unit_start, tensor_view(buf, self.kv.dtype, shape))
-
-    def copy_from(self, src: np.ndarray, src_map: RowMap) -> bool:
-        """The whole bound transfer from rows `src` (see `copy_mapped`) in one pass;
-        False when this sink cannot (a GPU or strided cache): use write_units."""
-        if self._map is None:
-            raise RuntimeError("CacheSink.copy_from before bind")
-        if not isinstance(self._rows, np.ndarray):
-            return False
-        copy_mapped(self._rows, self._map, src, src_map)
-        return True
-
     def write_units(self, unit_start: int, data: torch.Tensor) -> None:
-        if self._map is None:
-            raise RuntimeError("CacheSink.write_units before bind")
+        row_map = self._bound("write_units")
         data = data.to(self.kv.device, non_blocking=True)
         if self._rows is not None:
-            _copy_runs(self._rows, self._map, unit_start, data)
+            _copy_runs(self._rows, row_map, unit_start, data)
             return
-        R = self._map.units_per_block  # a strided cache: unit by unit
+        R = row_map.units_per_block  # a strided cache: unit by unit
         for j, u in enumerate(range(unit_start, unit_start + data.shape[0])):
             p, r = divmod(u, R)
             layer = self.layer_start + r // 2

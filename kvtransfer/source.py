@@ -447,16 +447,7 @@ class KVSource:
         # the whole plan to take its first header cost ~2 ms at 128 blocks).
         units = 2 * layout.num_layers
         first = ChunkHeader(
-            request_id=request_id,
-            dtype=kv.dtype,
-            num_layers=layout.num_layers,
-            layer_start=0,
-            layer_end=layout.num_layers,
-            block_size=layout.block_size,
-            num_kv_heads=layout.num_kv_heads,
-            head_dim=layout.head_dim,
-            block_ids=ids,
-            num_tokens=num_tokens,
+            **_transfer_fields(kv, layout, ids, num_tokens, request_id),
             chunk_index=0,
             chunk_count=1,
             unit_start=0,
@@ -581,16 +572,7 @@ class KVSource:
 
     def _stage(self, kv, layout, ids, num_tokens, request_id, lease_id, ttl) -> StagedBlocks:
         headers = chunk_headers(
-            request_id=request_id,
-            dtype=kv.dtype,
-            num_layers=layout.num_layers,
-            layer_start=0,
-            layer_end=layout.num_layers,
-            block_size=layout.block_size,
-            num_kv_heads=layout.num_kv_heads,
-            head_dim=layout.head_dim,
-            block_ids=ids,
-            num_tokens=num_tokens,
+            **_transfer_fields(kv, layout, ids, num_tokens, request_id),
             max_chunk_bytes=self.max_chunk_bytes,
             checksum=self.checksum,
         )
@@ -813,6 +795,23 @@ class KVSource:
         if self.on_expire is not None:
             for lid in lease_ids:
                 self.on_expire(lid)
+
+
+def _transfer_fields(kv, layout, ids, num_tokens: int, request_id: str) -> dict:
+    """The chunk-header fields of an export of blocks `ids` of cache `kv`, every layer:
+    what the staged chunks and an in-place descriptor's header have in common."""
+    return dict(
+        request_id=request_id,
+        dtype=kv.dtype,
+        num_layers=layout.num_layers,
+        layer_start=0,
+        layer_end=layout.num_layers,
+        block_size=layout.block_size,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_ids=ids,
+        num_tokens=num_tokens,
+    )
 
 
 class StagingFullError(RuntimeError):

@@ -248,16 +248,9 @@ class InPlaceBlocks:
                 f"layer range [{l0}, {l1}) outside the model's {lay.num_layers} layers"
             )
         headers = chunk_headers(
-            request_id=self.handle.request_id,
-            dtype=self.kv.dtype,
-            num_layers=lay.num_layers,
-            layer_start=l0,
-            layer_end=l1,
-            block_size=lay.block_size,
-            num_kv_heads=lay.num_kv_heads,
-            head_dim=lay.head_dim,
-            block_ids=ids,
-            num_tokens=self.handle.num_tokens,
+            **_transfer_fields(
+                self.kv, lay, ids, self.handle.num_tokens, self.handle.request_id, (l0, l1)
+            ),
             max_chunk_bytes=max_chunk_bytes or self.max_chunk_bytes,
             checksum=self.checksum,
         )
@@ -797,15 +790,19 @@ class KVSource:
                 self.on_expire(lid)
 
 
-def _transfer_fields(kv, layout, ids, num_tokens: int, request_id: str) -> dict:
-    """The chunk-header fields of an export of blocks `ids` of cache `kv`, every layer:
-    what the staged chunks and an in-place descriptor's header have in common."""
+def _transfer_fields(
+    kv, layout, ids, num_tokens: int, request_id: str, layers: tuple[int, int] | None = None
+) -> dict:
+    """The chunk-header fields of a transfer of blocks `ids` of cache `kv`, layers
+    [l0, l1) (None: every layer): what staged chunks, an in-place descriptor's header
+    and the chunks gathered for a gRPC pull of an in-place lease have in common."""
+    l0, l1 = layers if layers is not None else (0, layout.num_layers)
     return dict(
         request_id=request_id,
         dtype=kv.dtype,
         num_layers=layout.num_layers,
-        layer_start=0,
-        layer_end=layout.num_layers,
+        layer_start=l0,
+        layer_end=l1,
         block_size=layout.block_size,
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,

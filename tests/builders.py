@@ -24,6 +24,7 @@ import functools
 import random
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -397,3 +398,19 @@ def bf16_paths_agree(outs, ref_outs, near_tie: float, tol: float) -> int:
             assert abs(la.logprob - lb.logprob) <= tol
             compared += 1
     return compared
+
+
+@contextlib.contextmanager
+def started_workers(configs: dict) -> Iterator[dict]:
+    """Worker runtimes (`pagedserve.worker.start_worker`) of `configs`, by the same keys;
+    all stopped on exit (also those started before one that failed to start)."""
+    from pagedserve.worker import start_worker
+
+    rts: dict = {}
+    try:
+        for name, config in configs.items():
+            rts[name] = start_worker(config)
+        yield rts
+    finally:
+        for rt in rts.values():
+            rt.stop(grace=0.2)

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from builders import one_torch_thread, tiny_checkpoint  # noqa: F401
+from builders import one_torch_thread, started_workers, tiny_checkpoint  # noqa: F401
 
 from pagedserve.common import shm
 from pagedserve.common.api.model_config import ModelSpec
@@ -433,21 +433,13 @@ def _engine_config(shm_dir: str | None) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def workers():
-    from pagedserve.worker import start_worker
-
     configs = {
         "pre": WorkerConfig("ip-p0", "prefill", _engine_config(str(SHM_DIR))),
         "dec": WorkerConfig("ip-d0", "decode", _engine_config(None)),
         "dec_grpc": WorkerConfig("ip-d1", "decode", _engine_config(None), kv_transport="grpc"),
     }
-    rts = {}
-    try:
-        for name, config in configs.items():
-            rts[name] = start_worker(config)
+    with started_workers(configs) as rts:
         yield rts
-    finally:
-        for rt in rts.values():
-            rt.stop(grace=0.2)
 
 
 def _stub(rt, kind):

@@ -7,13 +7,11 @@ thread and gRPC server); the test plays the router's part with the generated stu
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import grpc
 import pytest
 import torch
-from builders import one_torch_thread, tiny_checkpoint  # noqa: F401
+from builders import one_torch_thread, started_workers, tiny_checkpoint  # noqa: F401
 
 from pagedserve.common.api.sampling_params import SamplingParams
 from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -21,7 +19,6 @@ from pagedserve.common.core.llm import LLM
 from pagedserve.common.runtime.protocol import sampling_to_pb
 from pagedserve.common.runtime.worker import WorkerConfig, WorkerRuntime
 from pagedserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
-from pagedserve.worker import start_worker
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -33,20 +30,6 @@ def engine_config() -> EngineConfig:
         cache=CacheConfig(num_blocks=96),
         scheduler=SchedulerConfig(max_model_len=256),
     )
-
-
-@contextmanager
-def started_workers(configs: dict[str, WorkerConfig]) -> Iterator[dict[str, WorkerRuntime]]:
-    """The workers of `configs`, by the same keys; all stopped on exit (also those
-    started before one that failed to start)."""
-    rts: dict[str, WorkerRuntime] = {}
-    try:
-        for name, config in configs.items():
-            rts[name] = start_worker(config)
-        yield rts
-    finally:
-        for rt in rts.values():
-            rt.stop(grace=0.2)
 
 
 @pytest.fixture(scope="module")

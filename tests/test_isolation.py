@@ -21,8 +21,8 @@ import threading
 import grpc
 import pytest
 import torch
-from builders import one_torch_thread, tiny_checkpoint  # noqa: F401
-from test_workers import started_workers, tokenized, wait_clean
+from builders import one_torch_thread, started_workers, tiny_checkpoint  # noqa: F401
+from test_workers import tokenized, wait_clean
 
 from pagedserve.common.api.outputs import ErrorKind, FinishReason, RequestOutput
 from pagedserve.common.api.sampling_params import SamplingParams

@@ -533,6 +533,15 @@ def test_unpulled_in_place_lease_expires_and_unpins(workers):
         ShmTransport().pull(ExportedKV.from_proto(handle))
 
 
+def test_in_place_cap_defaults_to_half_the_cache(workers):
+    pre = workers["pre"]
+    assert pre.kv_source.max_in_place_bytes == pre.engine.kv_cache.nbytes // 2 > 0
+    explicit = WorkerConfig("x", "prefill", kv_max_in_place_bytes=4096)
+    assert explicit.in_place_cap_bytes(1 << 30) == 4096
+    with pytest.raises(ValueError, match="kv_max_in_place_bytes"):
+        WorkerConfig("x", "prefill", kv_max_in_place_bytes=-1)
+
+
 def test_release_lease_rpc_unpins(workers):
     pre = workers["pre"]
     start, _ = _free_and_pins(pre)

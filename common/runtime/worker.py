@@ -109,8 +109,12 @@ class WorkerConfig:
     # In-place exports (kvtransfer/source.py): when the engine's KV cache is in shared
     # memory (engine.cache.shm_dir, which must then be kv_shm_dir: pullers look for the
     # cache file there), exports are read in place and their blocks stay pinned until
-    # the lease ends, at most this many bytes of blocks at once (past it: staged).
-    kv_max_in_place_bytes: int = 256 << 20
+    # the lease ends, at most this many bytes of blocks at once (past it: staged). None
+    # = half of this worker's KV cache: a cap that scales with the pool (a fixed 256 MiB
+    # was a quarter of the default 1 GiB cache and under 1 % of a 40 GiB one), and
+    # leaves the other half to new prefills and the prefix cache while slow decode
+    # workers hold leases (past it exports are staged copies, which pin nothing).
+    kv_max_in_place_bytes: int | None = None
     # In-place exports by default: the engine's KV cache goes in a shared-memory file in
     # kv_shm_dir (CacheConfig.shm_dir), so that same-host pullers copy exported blocks
     # straight out of it: one copy instead of two (57-64 % of a memcpy against 16-21 %
@@ -129,6 +133,12 @@ class WorkerConfig:
     # releases to other workers. The certificate must name `advertise_host` (or `host`),
     # the name the router and the other workers dial. None = plaintext.
     internal_tls: TLSFiles | None = None
+
+    def in_place_cap_bytes(self, cache_bytes: int) -> int:
+        """kv_max_in_place_bytes, or half of a KV cache of `cache_bytes`."""
+        if self.kv_max_in_place_bytes is not None:
+            return self.kv_max_in_place_bytes
+        return cache_bytes // 2
 
     def engine_config(self) -> EngineConfig:
         """The engine config this worker runs: `engine`, with the KV cache in kv_shm_dir
@@ -155,7 +165,7 @@ class WorkerConfig:
         for name in ("engine_call_timeout_s", "kv_pull_timeout_s", "release_lease_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.kv_max_in_place_bytes < 0:
+        if self.kv_max_in_place_bytes is not None and self.kv_max_in_place_bytes < 0:
             raise ValueError(f"kv_max_in_place_bytes must be >= 0: {self.kv_max_in_place_bytes}")
         if self.max_peer_channels < 1 or self.kv_max_open_leases < 1:
             raise ValueError("max_peer_channels and kv_max_open_leases must be >= 1")
@@ -229,7 +239,7 @@ class WorkerRuntime:
             on_expire=self._on_lease_expired,
             max_staged_bytes=config.staging_cap_bytes(),
             max_open_leases=config.kv_max_open_leases,
-            max_in_place_bytes=config.kv_max_in_place_bytes,
+            max_in_place_bytes=config.in_place_cap_bytes(self.engine.kv_cache.nbytes),
         )
         add_kvtransfer_service(self.server, self.kv_source)
         self.kv_transport = AutoTransport(

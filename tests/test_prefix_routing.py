@@ -322,14 +322,23 @@ def test_cache_salt_isolates_tenants(redis_cluster, llm):
     ids = system + prompt(403, 40)
     scored = cluster.router.call(lambda r: r.preview("prefill", ids, "tenant-b"))
     assert [s.inputs["own_blocks"] for s in scored] == [0.0, 0.0]  # nothing shared
-    before = computed_by(cluster)
+    # What is asserted is reuse, not placement: which worker runs a request whose prefix
+    # is worth a 5 ms pull is a near tie (p1 computes 40 tokens; p0 pulls 4 blocks from
+    # p1, then computes the same 40: cost 40 vs ~40.5 tokens), which a heartbeat showing
+    # the least load on p1 rightly tips. Placement on the holder has its own tests above.
+    before, c0 = computed_by(cluster), counters(cluster.router)
     assert generate(cluster, ids, max_tokens=4, salt="tenant-b") == reference(llm, ids, 4)
-    assert delta(before, computed_by(cluster)) == {"p0": len(ids)}  # by load: all computed
+    computed_b = delta(before, computed_by(cluster))
+    assert sum(computed_b.values()) == len(ids)  # tenant a's blocks unused: all computed
+    assert counted(c0, counters(cluster.router), "prefix_exports") == 0  # and none pulled
     wait_idle_view(cluster.router)
 
-    before = computed_by(cluster)
+    before, c0 = computed_by(cluster), counters(cluster.router)
     assert generate(cluster, ids, max_tokens=4, salt="tenant-a") == reference(llm, ids, 4)
-    assert delta(before, computed_by(cluster)) == {"p1": len(ids) - 64}  # tenant a's blocks
+    computed_a = delta(before, computed_by(cluster))
+    assert sum(computed_a.values()) == len(ids) - 64  # tenant a's 64 cached tokens reused,
+    pulled = counted(c0, counters(cluster.router), "prefix_exports")
+    assert (computed_a, pulled) in (({"p1": 40}, 0), ({"p0": 40}, 1))  # on p1, or pulled
     cluster.wait_quiescent()
 
 

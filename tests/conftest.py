@@ -26,8 +26,9 @@ import torch  # noqa: E402  (after the environment above)
 
 torch.set_num_threads(1)
 
-# A real redis-server per test session (tests/fixtures_redis.py).
-pytest_plugins = ["fixtures_redis"]
+# A real redis-server per test session (tests/fixtures_redis.py); the check that no test
+# leaves its dtype to `auto` by accident (tests/dtype_guard.py).
+pytest_plugins = ["fixtures_redis", "dtype_guard"]
 
 
 # Leaving the test process. Once in this session's two full runs (2026-12-02, a 2-core

@@ -552,10 +552,21 @@ def _greedy(llm, prompts, max_tokens=16):
     return [o.completions[0] for o in llm.generate(prompts, params)]
 
 
+@pytest.fixture
+def kernel_memo_cleared_after(monkeypatch):
+    """For a test that switches the kernel off for the process: `cpu_kernel.load`'s memo
+    is cleared after it, so the next test loads the kernel again (from the build cache
+    every engine uses). Not `fresh_load`: an empty cache dir made each such test compile
+    the kernel afresh (~10 s), and building is test_build_is_cached_per_source_and_reused's
+    subject, not theirs."""
+    yield
+    cpu_kernel.load.cache_clear()
+
+
 @needs_kernel
 @pytest.mark.parametrize("head_dim", [16, 64], ids=["d16-plain-C", "d64-avx512"])
 def test_bf16_engine_with_kernel_matches_torch_path_and_falls_back(
-    head_dim, kernel_calls, fresh_load, monkeypatch
+    head_dim, kernel_calls, kernel_memo_cleared_after, monkeypatch
 ):
     import shutil
 

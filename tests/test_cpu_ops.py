@@ -109,21 +109,29 @@ def _assert_near_bitwise(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert n <= ref.numel() * MAX_SHARE + 2, f"{n} of {ref.numel()} elements differ"
 
 
+@pytest.fixture(scope="module")
+def plain_c_lib(tmp_path_factory) -> ctypes.CDLL:
+    """The plain C fallback, built once for the module: 66 tests use it, and a build
+    per test was a gcc run of ~2 s each (~2 min of the suite). Sharing it loses
+    nothing: the tests only call its entry points, none changes the library."""
+    if platform.machine() != "x86_64" or shutil.which("gcc") is None:
+        pytest.skip("needs gcc on x86_64")
+    flags = [f for f in cpu_ops._FLAGS if not f.startswith("-march=")]
+    out = tmp_path_factory.mktemp("plain-c-ops") / "ops.so"
+    cmd = ["gcc", *flags, "-march=x86-64-v2", "-o", str(out), str(cpu_ops._SOURCE)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    return cpu_ops.bind(ctypes.CDLL(str(out)))
+
+
 @pytest.fixture(params=["native", "plain-c"])
-def lib(request, tmp_path) -> ctypes.CDLL:
+def lib(request) -> ctypes.CDLL:
     """The library as built for this CPU, and the plain C fallback that CPUs without
     AVX-512 (F, BW, VL) get, built here with those withheld."""
     if request.param == "native":
         if LIB is None:
             pytest.skip("the fused CPU ops did not build here")
         return LIB
-    if platform.machine() != "x86_64" or shutil.which("gcc") is None:
-        pytest.skip("needs gcc on x86_64")
-    flags = [f for f in cpu_ops._FLAGS if not f.startswith("-march=")]
-    out = tmp_path / "ops.so"
-    cmd = ["gcc", *flags, "-march=x86-64-v2", "-o", str(out), str(cpu_ops._SOURCE)]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-    return cpu_ops.bind(ctypes.CDLL(str(out)))
+    return request.getfixturevalue("plain_c_lib")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

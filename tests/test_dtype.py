@@ -4,7 +4,8 @@ Exact token parity with transformers is a float32 property, so every parity test
 elsewhere asks for float32 itself. Here:
 
 - `auto`'s resolution is tested with injected CPU flags, so both branches run on any
-  CPU (and CI runs this file once more under each `PAGEDSERVE_CPU_FLAGS` setting);
+  CPU (and `make test-dtypes` runs the tests marked `dtype_auto`, those that read the
+  flags, once more under each `PAGEDSERVE_CPU_FLAGS` setting: tests/dtype_guard.py);
 - an engine left on `auto` is compared with one built with the dtype `auto` resolved
   to, in the same run, never with a fixed dtype;
 - the bf16 engine is compared with transformers in bf16 and fp32 with a tolerance
@@ -53,6 +54,7 @@ def test_explicit_dtype_is_never_overridden(dtype):
         assert resolve_dtype(dtype, "cpu", flags) == dtype
 
 
+@pytest.mark.dtype_auto
 def test_cpu_flags_switch(monkeypatch):
     monkeypatch.setenv(CPU_FLAGS_ENV, "avx512f,amx_bf16 sse4_2")
     assert cpu_flags() == {"avx512f", "amx_bf16", "sse4_2"}
@@ -63,6 +65,7 @@ def test_cpu_flags_switch(monkeypatch):
     assert cpu_flags() == frozenset() and resolve_dtype("auto", "cpu") == "float32"
 
 
+@pytest.mark.dtype_auto
 def test_cpu_flags_read_from_cpuinfo_without_the_switch(monkeypatch):
     monkeypatch.delenv(CPU_FLAGS_ENV, raising=False)
     try:
@@ -73,6 +76,7 @@ def test_cpu_flags_read_from_cpuinfo_without_the_switch(monkeypatch):
     assert cpu_flags() == frozenset(line.partition(":")[2].split())
 
 
+@pytest.mark.dtype_auto
 def test_auto_engine_equals_engine_in_the_resolved_dtype():
     """`auto` means "whatever it resolves to here": compare with exactly that."""
     path = str(tiny_checkpoint("llama"))

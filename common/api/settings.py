@@ -51,6 +51,7 @@ never import this module.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import io
 import os
@@ -422,7 +423,16 @@ def leaf_fields(cls: type, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[s
 
 def field_comments(cls: type) -> dict[str, str]:
     """Field name -> its comment in the class body: the comment lines right above it
-    and the one at its end, joined ("# -- section --" lines are headings, skipped)."""
+    and the one at its end, joined ("# -- section --" lines are headings, skipped).
+
+    Read once per class and process (the source does not change under a running
+    process; reading and tokenizing it was about half of every `parse_spec`), handed
+    out as a copy so that no caller can change another's."""
+    return dict(_field_comments(cls))
+
+
+@functools.cache
+def _field_comments(cls: type) -> dict[str, str]:
     try:
         source = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):

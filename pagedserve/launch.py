@@ -520,15 +520,29 @@ def init_local_ray(**kwargs: Any) -> Any:
         return ray.init(address="local", **kwargs)
 
 
-def stop_workers(actors: list[Any]) -> None:
-    """Stops worker actors for good: Goodbye to the registries, then no restart."""
+def stop_workers(actors: list[Any], timeout_s: float = 10.0) -> None:
+    """Stops worker actors for good: Goodbye to the registries, then no restart.
+
+    Every actor is asked at once and all get one `timeout_s` together, not one each:
+    an actor still in its constructor (a stop signal while the model loads) runs
+    `stop` only once that returns, and waiting for those one after another made a
+    launcher stopped during start-up take ~10 s per such worker to exit. An actor that
+    has not stopped by then is killed as it is (its KV cache file, if any, is removed
+    by the next worker that starts on its host).
+    """
     import ray
 
+    refs = []
     for actor in actors:
         try:
-            ray.get(actor.stop.remote(), timeout=10)
+            refs.append(actor.stop.remote())
         except Exception as e:  # already dead: nothing to stop
             logger.debug("stopping an actor failed: %s", e)
+    if refs:
+        _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if late:
+            logger.warning("%d worker(s) did not stop within %g s: killed", len(late), timeout_s)
+    for actor in actors:
         ray.kill(actor, no_restart=True)
 
 

@@ -21,6 +21,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Ray must bind and advertise loopback only in tests.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Nothing leaves loopback: Ray's usage report (on by default, to usage-stats.ray.io) off.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray's own metrics agent: no test reads Ray's metrics (pagedserve exports its own), and
+# it was 30-40 % of a local ray.init on the 2-core CI machine (~10 Ray starts a run).
+os.environ.setdefault("RAY_enable_metrics_collection", "0")
 
 import torch  # noqa: E402  (after the environment above)
 

@@ -342,8 +342,9 @@ static inline __attribute__((always_inline)) void one_row_avx512_impl(
 }
 
 /* kt [16][16] = the transpose of the 16 x 16 floats at src + off[j] (row j: 16
- * contiguous floats): kt[e][j] = src[off[j] + e]. Shuffles only (AVX-512 gathers were
- * ~40 % of the group kernel's time here: microcode-slowed on this CPU). After the two
+ * contiguous floats): kt[e][j] = src[off[j] + e]. Shuffles only: with AVX-512 gathers
+ * instead (two 8-lane vgatherqps per element of D) the group kernel was slower than rows
+ * one by one on the Skylake-SP Xeon here (gathers ~40 % of its time). After the two
  * unpack stages, vector 4i + m holds in its 128-bit lane L column 4L + m of rows
  * 4i..4i+3; the two 128-bit-lane shuffles then put column m's four row quads together. */
 static inline __attribute__((always_inline)) void transpose16(const float *src,

@@ -243,6 +243,55 @@ def test_kernel_rows_pick_their_sequence_and_length_and_skip_zero_lengths(dtype,
 
 
 @needs_kernel
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 24])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_fp32_prefill_chunk_rows_in_groups_match_reference_and_rows_alone(d, group, block_size):
+    """fp32 rows of one sequence in one call (a prefill chunk after a cached prefix, or a
+    whole prompt) take the grouped code (up to 8 rows, K transposed per 16-token tile):
+    each row against the float64 reference, and against the same row attended alone
+    (one row per call never groups) to fp32 rounding. Chunks of 1, 7, 8, 9, 20 and 37
+    rows starting at 0, 5 and 30 cached tokens (groups with a short last one; rows
+    ending on and off 16-token tiles), two sequences interleaved in one call, and a
+    length-0 row that must break a group and stay untouched."""
+    kvh = 2
+    h = kvh * group
+    gen = torch.Generator().manual_seed(d * 100 + group * 10 + block_size)
+    n_blocks = 40
+    kc = torch.randn(n_blocks, block_size, kvh, d, generator=gen)
+    vc = torch.randn(n_blocks, block_size, kvh, d, generator=gen)
+    perm = torch.randperm(n_blocks, generator=gen).tolist()
+    width = -(-70 // block_size)
+    tables = torch.tensor([perm[:width], perm[width : 2 * width]], dtype=torch.int32)
+    for ctx, n in [(0, 1), (0, 20), (5, 7), (5, 9), (30, 8), (30, 37)]:
+        rows_seq, lens = [], []
+        for i in range(n):  # sequence 0's chunk, with sequence 1's rows after its first 3
+            rows_seq.append(0)
+            lens.append(ctx + i + 1)
+            if i == 2:
+                rows_seq += [1, 1, 1]
+                lens += [ctx + 1, 0, ctx + 3]
+        r = len(lens)
+        q = torch.randn(r, h, d, generator=gen)
+        out = torch.full((r, h, d), 3.0)
+        row_seq = torch.tensor(rows_seq, dtype=torch.int32)
+        lens_t = torch.tensor(lens, dtype=torch.int32)
+        cpu_kernel.attend(LIB, q, kc, vc, tables, lens_t, d**-0.5, out, row_seq)
+        for i, (seq, n_tok) in enumerate(zip(rows_seq, lens, strict=True)):
+            if n_tok == 0:
+                assert bool((out[i] == 3.0).all()), "a length-0 row was written"
+                continue
+            ref = _row_reference(q[i], kc, vc, tables[seq].tolist(), n_tok, block_size)
+            assert _rel(out[i], ref) < 1e-6, (ctx, n, i)
+            alone = torch.empty(1, h, d)
+            cpu_kernel.attend(
+                LIB, q[i : i + 1], kc, vc, tables, lens_t[i : i + 1], d**-0.5, alone,
+                row_seq[i : i + 1],
+            )  # fmt: skip
+            assert torch.allclose(out[i], alone[0], rtol=1e-5, atol=1e-6), (ctx, n, i)
+
+
+@needs_kernel
 @pytest.mark.parametrize(
     "dtype, limit, tol",
     [

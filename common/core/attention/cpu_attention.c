@@ -2,6 +2,8 @@
  * from the block-table'd cache (no gather): a decode token is one row over its
  * sequence's L cached tokens; a prefill token at position p is one row over the
  * first p + 1 (causal). Built and loaded by cpu_kernel.py; see its docstring.
+ * fp32 rows of one sequence that follow each other in a call (a prefill chunk) go in
+ * groups of up to GROUP_ROWS instead, with K transposed per tile (group_avx512_impl).
  *
  * Shapes (row-major, element strides given where a view may be strided):
  *   q        [R, H, D]             q + r * q_stride
@@ -47,8 +49,9 @@
  * uses every thread; see SPLIT_ROWS_BELOW). Rows prefetch their K/V tiles ahead
  * (see prefetch_tile; bf16 also the next item's first K tile): decode reads K/V
  * from memory, scattered by the block table. fp32 rows are never split, and
- * prefetching moves no arithmetic, so fp32 results are bit-identical to what the
- * tests compare with transformers (and to before). Only the OpenMP
+ * prefetching moves no arithmetic, so fp32 decode rows are bit-identical to before;
+ * fp32 prefill rows in groups (group_avx512_impl) sum their scores over D in another
+ * order, within fp32 rounding of a row alone. Only the OpenMP
  * runtime's parallel region is used, with the caller's thread count (torch's),
  * so it runs on torch's own OpenMP threads.
  *
@@ -338,6 +341,160 @@ static inline __attribute__((always_inline)) void one_row_avx512_impl(
     }
 }
 
+/* kt [16][16] = the transpose of the 16 x 16 floats at src + off[j] (row j: 16
+ * contiguous floats): kt[e][j] = src[off[j] + e]. Shuffles only: with AVX-512 gathers
+ * instead (two 8-lane vgatherqps per element of D) the group kernel was slower than rows
+ * one by one on the Skylake-SP Xeon here (gathers ~40 % of its time). After the two
+ * unpack stages, vector 4i + m holds in its 128-bit lane L column 4L + m of rows
+ * 4i..4i+3; the two 128-bit-lane shuffles then put column m's four row quads together. */
+static inline __attribute__((always_inline)) void transpose16(const float *src,
+                                                              const int64_t *off, float *kt) {
+    __m512 r[16], t[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_ps(src + off[j]);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < 4; ++m) {
+        t[m] = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x88);
+        t[4 + m] = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xDD);
+        t[8 + m] = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x88);
+        t[12 + m] = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xDD);
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < 4; ++m) {
+        _mm512_storeu_ps(kt + 16 * m, _mm512_shuffle_f32x4(t[m], t[8 + m], 0x88));
+        _mm512_storeu_ps(kt + 16 * (8 + m), _mm512_shuffle_f32x4(t[m], t[8 + m], 0xDD));
+        _mm512_storeu_ps(kt + 16 * (4 + m), _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0x88));
+        _mm512_storeu_ps(kt + 16 * (12 + m), _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0xDD));
+    }
+}
+
+/* Scores of NP (query row, head) pairs against one 16-token tile of K, transposed in kt
+ * [D][16]: acc_p = sum_d q_p[d] * kt[d] (each q element broadcast, one FMA per element
+ * and pair: no horizontal sums), then times scale into sp[p][0..15]. */
+static inline __attribute__((always_inline)) void scores_pairs(const float *const *qp,
+                                                               float *const *sp,
+                                                               const float *kt, int64_t D,
+                                                               __m512 vscale, const int NP) {
+    __m512 acc[8];
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) acc[p] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+        const __m512 k = _mm512_loadu_ps(kt + 16 * d);
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; ++p) acc[p] = _mm512_fmadd_ps(_mm512_set1_ps(qp[p][d]), k, acc[p]);
+    }
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(sp[p], _mm512_mul_ps(acc[p], vscale));
+}
+
+/* Several query rows of one sequence (a prefill chunk: consecutive positions, lengths
+ * lens[0..n-1]) at once, C = D / 16 as above. Why: one_row_avx512_impl computes each
+ * (row, head, token) score as a 16-lane partial dot product and sums 16 of them with
+ * the transpose-add tree (sum16); with K/V in cache, as a prefill chunk's are, that
+ * arithmetic is the cost (~20 cycles per (row, head, token) for both passes on the
+ * Skylake-SP Xeon here, about a third of its FMA rate). Here, per 16-token tile and KV
+ * head, K is transposed once into kt [D][16] (transpose16, D / 16 times) and
+ * every (row, head) pair of the group takes its 16 scores as D broadcast FMAs, up to 8
+ * pairs sharing each kt load: no horizontal sums. V is summed as before (p broadcast
+ * times a V row), the tile's V rows in L1 for all rows of the group. The scores sum
+ * over D in another order than one_row's, so they may differ from a row attended
+ * alone in the last bits (tests/test_cpu_attention_kernel.py compares both with a
+ * float64 reference). Each row's softmax is over its own length; the tokens in
+ * [lens[i], Lp_i) of row i are the sequence's next tokens (finite), their weights 0.
+ * Scratch: s [n][H, Lp_max] (row i's own stride Lp_i inside), acc [n][H, D], inv
+ * [n][H], kt [D][16], off [Lp] for the longest row. */
+static inline __attribute__((always_inline)) void group_avx512_impl(
+    const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+    const int32_t *table, const int32_t *lens, int64_t n, int64_t H, int64_t KVH, int64_t BS,
+    int64_t BSTR, float scale, float *out, int64_t out_stride, float *s, float *acc, float *inv,
+    float *kt, int64_t *off, int64_t Lp_max, const int64_t C) {
+    const int64_t D = 16 * C, G = H / KVH, row = KVH * D;
+    int64_t L = 0;
+    for (int64_t i = 0; i < n; ++i) L = lens[i] > L ? lens[i] : L;
+    const int64_t Lp = (L + 15) & ~(int64_t)15;
+    token_offsets(table, L, Lp, BS, BSTR, row, off);
+#define ROW_LP(i) ((lens[i] + 15) & ~(int64_t)15)
+    /* 1. scores: row i's s [H, Lp_i] at s + i * H * Lp_max */
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const float *qp[8];
+    float *sp[8];
+    for (int64_t t0 = 0; t0 < Lp; t0 += 16) {
+        for (int64_t kh = 0; kh < KVH; ++kh) {
+            const float *kb = k_cache + kh * D;
+            for (int64_t c = 0; c < C; ++c) transpose16(kb + 16 * c, off + t0, kt + 256 * c);
+            int np = 0;
+            for (int64_t i = 0; i < n; ++i) {
+                const int64_t Lpi = ROW_LP(i);
+                if (t0 >= Lpi) continue;
+                for (int64_t g = 0; g < G; ++g) {
+                    const int64_t h = kh * G + g;
+                    qp[np] = q + i * q_stride + h * D;
+                    sp[np] = s + i * H * Lp_max + h * Lpi + t0;
+                    if (++np == 8) {
+                        scores_pairs(qp, sp, kt, D, vscale, 8);
+                        np = 0;
+                    }
+                }
+            }
+            for (int p = 0; p < np; ++p) scores_pairs(qp + p, sp + p, kt, D, vscale, 1);
+        }
+    }
+    /* 2. each row's softmax over its own length */
+    for (int64_t i = 0; i < n; ++i)
+        softmax512(s + i * H * Lp_max, H, lens[i], ROW_LP(i), inv + i * H, NULL);
+    /* 3. weighted V, tile by tile for every row */
+    memset(acc, 0, (size_t)(n * H * D) * sizeof(float));
+    for (int64_t t0 = 0; t0 < Lp; t0 += 16) {
+        for (int64_t kh = 0; kh < KVH; ++kh) {
+            for (int64_t i = 0; i < n; ++i) {
+                const int64_t Lpi = ROW_LP(i);
+                if (t0 >= Lpi) continue;
+                for (int64_t g = 0; g < G; ++g) {
+                    const int64_t h = kh * G + g;
+                    float *ah = acc + (i * H + h) * D;
+                    const float *ph = s + i * H * Lp_max + h * Lpi + t0;
+                    __m512 a[16];
+#pragma GCC unroll 16
+                    for (int64_t c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(ah + 16 * c);
+#pragma GCC unroll 16
+                    for (int64_t j = 0; j < 16; ++j) {
+                        const float *vr = v_cache + off[t0 + j] + kh * D;
+                        const __m512 p = _mm512_set1_ps(ph[j]);
+#pragma GCC unroll 16
+                        for (int64_t c = 0; c < C; ++c)
+                            a[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * c), a[c]);
+                    }
+#pragma GCC unroll 16
+                    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(ah + 16 * c, a[c]);
+                }
+            }
+        }
+    }
+#undef ROW_LP
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t h = 0; h < H; ++h) {
+            const __m512 c_inv = _mm512_set1_ps(inv[i * H + h]);
+            for (int64_t c = 0; c < C; ++c)
+                _mm512_storeu_ps(out + i * out_stride + h * D + 16 * c,
+                                 _mm512_mul_ps(_mm512_loadu_ps(acc + (i * H + h) * D + 16 * c),
+                                               c_inv));
+        }
+}
+
 /* bf16, P = D / 32 vectors of 32 bf16 per head row; inlined with P = 1, 2, 4, 8.
  * acc holds each head's fp32 sums as [P][even 16 | odd 16] (see the top). */
 static inline __m512 bf16_even(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
@@ -489,6 +646,63 @@ static void one_row(const float *q, const float *k_cache, const float *v_cache,
     one_row_generic(q, k_cache, v_cache, table, L, H, KVH, D, BS, BSTR, scale, out, s, acc, inv);
 }
 
+/* Rows of one fp32 call grouped (see group_avx512_impl): at most this many rows a group
+ * (its scratch: GROUP_ROWS * H * Lp_max floats of scores a thread). Measured on the
+ * 2-core Skylake-SP Xeon (avx512f, no avx512_bf16; 1 thread, one layer of SmolLM2-135M:
+ * 9 heads over 3, D 64), 32 rows over 256 cached tokens, thread CPU time, alternating
+ * with the row-by-row kernel in one process: 0.52 vs 0.63 ms (best of 40; of the 0.52:
+ * transposing K ~0.05, the score FMAs ~0.15, softmax + V + the rest ~0.32). Within one
+ * engine step (the layer's K/V no longer in cache) the kernel's share of a step went
+ * 33.1 -> 31.6 ms at 32 new tokens, 64.3 -> 60.0 at 64, 148.9 -> 130.6 for a 288-token
+ * prompt (medians of 7, alternating): a small gain, as the row-by-row code was not
+ * L2-bound (grouping rows with its own arithmetic, to reuse K/V tiles from L1, gained
+ * nothing: 0.88 vs 0.92 ms) and V's FMAs are the same here. */
+#define GROUP_ROWS 8
+
+/* Whether fp32 rows of head size D take the AVX-512 code (the only one with groups). */
+static int f32_vector_path(int64_t D) {
+#ifdef __AVX512F__
+    return D == 16 || D == 32 || D == 64 || D == 128 || D == 256;
+#else
+    (void)D;
+    return 0;
+#endif
+}
+
+/* Scratch floats of a group before its off array (see group_avx512_impl). */
+static int64_t group_head_floats(int64_t H, int64_t D, int64_t Lp) {
+    return (GROUP_ROWS * (H * Lp + H * D + H) + 16 * D + 1) & ~(int64_t)1;
+}
+
+static void group_rows(const float *q, int64_t q_stride, const float *k_cache,
+                       const float *v_cache, const int32_t *table, const int32_t *lens, int64_t n,
+                       int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t BSTR, float scale,
+                       float *out, int64_t out_stride, float *scratch, int64_t Lp_max, int pf) {
+#ifdef __AVX512F__
+    float *s = scratch;
+    float *acc = s + GROUP_ROWS * H * Lp_max;
+    float *inv = acc + GROUP_ROWS * H * D;
+    float *kt = inv + GROUP_ROWS * H;
+    int64_t *off = (int64_t *)(scratch + group_head_floats(H, D, Lp_max));
+    (void)pf; /* no prefetching: a group's K/V are mostly in cache (see prefetch_tile) */
+#define AVX512_CASE(C)                                                                      \
+    group_avx512_impl(q, q_stride, k_cache, v_cache, table, lens, n, H, KVH, BS, BSTR, scale, \
+                      out, out_stride, s, acc, inv, kt, off, Lp_max, C);                    \
+    return;
+    switch (D) {
+    case 16: AVX512_CASE(1)
+    case 32: AVX512_CASE(2)
+    case 64: AVX512_CASE(4)
+    case 128: AVX512_CASE(8)
+    case 256: AVX512_CASE(16)
+    }
+#undef AVX512_CASE
+#endif
+    (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)table, (void)lens, (void)n;
+    (void)H, (void)KVH, (void)D, (void)BS, (void)BSTR, (void)scale, (void)out;
+    (void)out_stride, (void)scratch, (void)Lp_max, (void)pf;
+}
+
 /* Whether bf16 rows of head size D take the AVX-512 code (the only one that can
  * run a chunk of a split row). */
 static int bf16_vector_path(int64_t D) {
@@ -533,7 +747,7 @@ static void one_row_bf16(const uint16_t *q, const uint16_t *k_cache, const uint1
 /* Splitting rows. A decode step of fewer rows than threads left all but R threads
  * idle (batch 1: one core of two, whatever the context). Rows of a call with fewer
  * than SPLIT_ROWS_BELOW rows are cut into chunks of SPLIT_CHUNK tokens (bf16 on the
- * AVX-512 code only: fp32 stays bit-identical to what it was); each chunk is a work
+ * AVX-512 code only: fp32 decode stays bit-identical to what it was); each chunk is a work
  * item with its own softmax max and sum, and the chunks of a row are merged after
  * all items ran: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) sum_c,
  * M = max_c m_c (merge_chunks). The rule depends on R and the lengths only, never
@@ -638,9 +852,41 @@ static int attend(int bf16, const void *q, int64_t q_stride, const void *k_cache
         parts = malloc((size_t)(n_items * part_floats) * sizeof(float));
         if (parts == NULL) return -1;
     }
+    /* fp32: consecutive rows of one sequence (a prefill chunk) in groups of up to
+     * GROUP_ROWS (see group_avx512_impl); then item i is rows gs[i] .. gs[i + 1]. */
+    int64_t *gs = NULL, widest = 1;
+    if (!bf16 && row_seq != NULL && f32_vector_path(D)) {
+        int64_t n_groups = 0, run = 0;
+        for (int64_t r = 0; r < R; ++r) {
+            run = r > 0 && run < GROUP_ROWS && row_seq[r] == row_seq[r - 1] && lens[r] > 0 &&
+                          lens[r - 1] > 0
+                      ? run + 1
+                      : 1;
+            n_groups += run == 1;
+            widest = run > widest ? run : widest;
+        }
+        if (widest > 1) {
+            gs = malloc((size_t)(n_groups + 1) * sizeof(int64_t));
+            if (gs == NULL) {
+                free(parts);
+                return -1;
+            }
+            n_groups = 0, run = 0;
+            for (int64_t r = 0; r < R; ++r) {
+                run = r > 0 && run < GROUP_ROWS && row_seq[r] == row_seq[r - 1] &&
+                              lens[r] > 0 && lens[r - 1] > 0
+                          ? run + 1
+                          : 1;
+                if (run == 1) gs[n_groups++] = r;
+            }
+            gs[n_groups] = R;
+            n_items = n_groups;
+        }
+    }
     const int64_t Lp_max = (max_len + 15) & ~(int64_t)15;
-    const size_t scratch_bytes =
-        (size_t)(scratch_head_floats(H, D, Lp_max) + 2 * Lp_max) * sizeof(float);
+    const int64_t head_floats =
+        gs != NULL ? group_head_floats(H, D, Lp_max) : scratch_head_floats(H, D, Lp_max);
+    const size_t scratch_bytes = (size_t)(head_floats + 2 * Lp_max) * sizeof(float);
     int64_t next = 0, done = 0;
     if (num_threads < 1) num_threads = 1;
     if (num_threads > n_items) num_threads = (int)n_items;
@@ -656,7 +902,20 @@ static int attend(int bf16, const void *q, int64_t q_stride, const void *k_cache
         int64_t i = s != NULL ? __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED) : n_items;
         while (i < n_items) {
             const int64_t ni = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
-            const item_t it = item_at(i, first, R, tables, t_stride, row_seq, lens, chunk, BS);
+            if (gs != NULL && gs[i + 1] - gs[i] > 1) { /* fp32 rows of one sequence */
+                const int64_t r = gs[i];
+                const int32_t *table = tables + (int64_t)row_seq[r] * t_stride;
+                group_rows((const float *)q + r * q_stride, q_stride, k_cache, v_cache, table,
+                           lens + r, gs[i + 1] - r, H, KVH, D, BS, BSTR, scale,
+                           (float *)out + r * out_stride, out_stride, s, Lp_max,
+                           table != prev);
+                prev = table;
+                __atomic_fetch_add(&done, 1, __ATOMIC_RELAXED);
+                i = ni;
+                continue;
+            }
+            const item_t it = item_at(gs != NULL ? gs[i] : i, first, R, tables, t_stride,
+                                      row_seq, lens, chunk, BS);
             if (it.len > 0) {
                 const int64_t r = it.row;
                 if (bf16) {
@@ -686,6 +945,7 @@ static int attend(int bf16, const void *q, int64_t q_stride, const void *k_cache
                 merge_chunks(parts + first[r] * part_floats, first[r + 1] - first[r], H, D,
                              (uint16_t *)out + r * out_stride);
     free(parts);
+    free(gs);
     return done == n_items ? 0 : -1;
 }
 

@@ -271,6 +271,29 @@ static inline void prefetch_row_start(const void *k_cache, size_t elem, const in
 /* C = D / 16 vectors per head row; inlined with C = 1, 2, 4, 8, 16.
  * Tokens go 16 at a time; the last tile's rows past L repeat row L - 1 (real,
  * finite data) and their scores are set to -inf, so no tile needs a branch. */
+/* One 16-token tile of weighted V for one (row, head): ah [D] += sum over the tile's
+ * tokens j of ph[j] * (V row of token off[j], at v_kh: the head's KV offset applied),
+ * C = D / 16 vectors kept in registers. Shared by the one-row and grouped paths, which
+ * must sum in the same order (a row attended alone or in a group: same weighted V). */
+static inline __attribute__((always_inline)) void add_v_tile(float *ah, const float *ph,
+                                                             const float *v_kh,
+                                                             const int64_t *off,
+                                                             const int64_t C) {
+    __m512 a[16];
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(ah + 16 * c);
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < 16; ++j) {
+        const float *vr = v_kh + off[j];
+        const __m512 p = _mm512_set1_ps(ph[j]);
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < C; ++c)
+            a[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * c), a[c]);
+    }
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(ah + 16 * c, a[c]);
+}
+
 static inline __attribute__((always_inline)) void one_row_avx512_impl(
     const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
     int64_t L, int64_t H, int64_t KVH, int64_t BS, int64_t BSTR, float scale, float *out, float *s,
@@ -315,21 +338,7 @@ static inline __attribute__((always_inline)) void one_row_avx512_impl(
         for (int64_t kh = 0; kh < KVH; ++kh) {
             for (int64_t g = 0; g < G; ++g) {
                 const int64_t h = kh * G + g;
-                float *ah = acc + h * D;
-                const float *ph = s + h * Lp + t0;
-                __m512 a[16];
-#pragma GCC unroll 16
-                for (int64_t c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(ah + 16 * c);
-#pragma GCC unroll 16
-                for (int64_t j = 0; j < 16; ++j) {
-                    const float *vr = v_cache + off[t0 + j] + kh * D;
-                    const __m512 p = _mm512_set1_ps(ph[j]);
-#pragma GCC unroll 16
-                    for (int64_t c = 0; c < C; ++c)
-                        a[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * c), a[c]);
-                }
-#pragma GCC unroll 16
-                for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(ah + 16 * c, a[c]);
+                add_v_tile(acc + h * D, s + h * Lp + t0, v_cache + kh * D, off + t0, C);
             }
         }
     }
@@ -465,21 +474,8 @@ static inline __attribute__((always_inline)) void group_avx512_impl(
                 if (t0 >= Lpi) continue;
                 for (int64_t g = 0; g < G; ++g) {
                     const int64_t h = kh * G + g;
-                    float *ah = acc + (i * H + h) * D;
-                    const float *ph = s + i * H * Lp_max + h * Lpi + t0;
-                    __m512 a[16];
-#pragma GCC unroll 16
-                    for (int64_t c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(ah + 16 * c);
-#pragma GCC unroll 16
-                    for (int64_t j = 0; j < 16; ++j) {
-                        const float *vr = v_cache + off[t0 + j] + kh * D;
-                        const __m512 p = _mm512_set1_ps(ph[j]);
-#pragma GCC unroll 16
-                        for (int64_t c = 0; c < C; ++c)
-                            a[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * c), a[c]);
-                    }
-#pragma GCC unroll 16
-                    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(ah + 16 * c, a[c]);
+                    add_v_tile(acc + (i * H + h) * D, s + i * H * Lp_max + h * Lpi + t0,
+                               v_cache + kh * D, off + t0, C);
                 }
             }
         }
@@ -620,6 +616,16 @@ static int64_t scratch_head_floats(int64_t H, int64_t D, int64_t Lp) {
     return (H * Lp + H * D + H + 1) & ~(int64_t)1;
 }
 
+/* The fp32 head sizes D = 16 * C with AVX-512 code: CASE(C) for each (CASE returns). */
+#define F32_HEAD_SIZES(CASE)                                                                \
+    switch (D) {                                                                            \
+    case 16: CASE(1)                                                                        \
+    case 32: CASE(2)                                                                        \
+    case 64: CASE(4)                                                                        \
+    case 128: CASE(8)                                                                       \
+    case 256: CASE(16)                                                                      \
+    }
+
 static void one_row(const float *q, const float *k_cache, const float *v_cache,
                          const int32_t *table, int64_t L, int64_t H, int64_t KVH, int64_t D,
                          int64_t BS, int64_t BSTR, float scale, float *out, float *scratch, int64_t Lp_max,
@@ -633,13 +639,7 @@ static void one_row(const float *q, const float *k_cache, const float *v_cache,
     one_row_avx512_impl(q, k_cache, v_cache, table, L, H, KVH, BS, BSTR, scale, out, s, acc, \
                              inv, off, pf, C);                                              \
     return;
-    switch (D) {
-    case 16: AVX512_CASE(1)
-    case 32: AVX512_CASE(2)
-    case 64: AVX512_CASE(4)
-    case 128: AVX512_CASE(8)
-    case 256: AVX512_CASE(16)
-    }
+    F32_HEAD_SIZES(AVX512_CASE)
 #undef AVX512_CASE
 #endif
     (void)off, (void)pf;
@@ -689,13 +689,7 @@ static void group_rows(const float *q, int64_t q_stride, const float *k_cache,
     group_avx512_impl(q, q_stride, k_cache, v_cache, table, lens, n, H, KVH, BS, BSTR, scale, \
                       out, out_stride, s, acc, inv, kt, off, Lp_max, C);                    \
     return;
-    switch (D) {
-    case 16: AVX512_CASE(1)
-    case 32: AVX512_CASE(2)
-    case 64: AVX512_CASE(4)
-    case 128: AVX512_CASE(8)
-    case 256: AVX512_CASE(16)
-    }
+    F32_HEAD_SIZES(AVX512_CASE)
 #undef AVX512_CASE
 #endif
     (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)table, (void)lens, (void)n;

@@ -326,7 +326,8 @@ class DecoderLayer(nn.Module):
             # kernel normalizes (Qwen3) and rotates each head in one pass; without
             # q/k norms, q and k heads in one call (each call's Python costs ~20 us).
             qk = qkv[:, : s.q_size + s.kv_size].view(t, n_qk, s.head_dim)
-            q, k = qk.split((s.num_q_heads, s.num_kv_heads), dim=1)
+            # two slices, not `split` (whose Python wrapper costs ~15 us more a layer)
+            q, k = qk[:, : s.num_q_heads], qk[:, s.num_q_heads :]
             if self.q_norm is None:
                 cpu_ops.rope_(ops, qk, cos, sin)
             else:

@@ -129,11 +129,26 @@ def write_kv(
     past the layer's own tiles into the other layers' bytes of each block, but only
     rows that are this layer's tokens are ever indexed.
     """
-    rows_k, per_block = _token_rows(k_cache)
-    rows_v, _ = _token_rows(v_cache)
+    rows_k, per_block = _token_rows_memo(k_cache, memo)
+    rows_v, _ = _token_rows_memo(v_cache, memo)
     rows = _slot_rows(slot_mapping, k_cache.shape[1], per_block, memo)
     rows_k.index_copy_(0, rows, k.to(k_cache.dtype))
     rows_v.index_copy_(0, rows, v.to(v_cache.dtype))
+
+
+def _token_rows_memo(cache: torch.Tensor, memo: dict | None) -> tuple[torch.Tensor, int]:
+    """`_token_rows(cache)`, kept in the step's memo: a forward asks for the same layer
+    views again every step, and the checks and the `as_strided` cost ~9 us a cache,
+    ~0.5 ms of a 30-layer step (2026-12-02, 2-core Skylake-SP Xeon). Keyed by what
+    fully determines the view (address, dtype, shape, strides), never by `id()`: a
+    cache tensor freed within the step could hand its id to another."""
+    if memo is None:
+        return _token_rows(cache)
+    key = ("token_rows", cache.data_ptr(), cache.dtype, cache.shape, cache.stride(), cache.device)
+    got = memo.get(key)
+    if got is None:
+        got = memo[key] = _token_rows(cache)
+    return got
 
 
 def _slot_rows(

@@ -139,6 +139,11 @@ def load() -> ctypes.CDLL | None:
 # Xeon where a wrapper with the descriptive checks run each time cost 68 us at one token against
 # 8 us for the C call itself); only when one fails does `_refuse` work out what is
 # wrong and raise ValueError. They are what keeps C from reading out of bounds.
+# Since 2026-12-02 the wrappers write the predicate out inline with the cheapest
+# accessors (same Xeon, per call: `.ndim`/`.dtype`/`.is_cpu` 0.15-0.25 us,
+# `is_contiguous()` 0.5, one `shape` or `stride()` tuple ~1, where `stride(i)` alone is
+# ~1 and `device.type` 1.8): 28-53 -> 14-19 us a call at one row, RoPE the most (its two
+# reshapes are skipped for contiguous tables). What they accept and refuse is unchanged.
 
 
 def _rows(t: torch.Tensor, width: int, dtype: torch.dtype) -> bool:

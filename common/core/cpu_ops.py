@@ -142,8 +142,9 @@ def load() -> ctypes.CDLL | None:
 # Since 2026-12-02 the wrappers write the predicate out inline with the cheapest
 # accessors (same Xeon, per call: `.ndim`/`.dtype`/`.is_cpu` 0.15-0.25 us,
 # `is_contiguous()` 0.5, one `shape` or `stride()` tuple ~1, where `stride(i)` alone is
-# ~1 and `device.type` 1.8): 16-31 -> 14-19 us a call at one row (a quiet minute, medians), RoPE the most (its two
-# reshapes are skipped for contiguous tables). What they accept and refuse is unchanged.
+# ~1 and `device.type` 1.8): 16-31 -> 14-19 us a call at one row (medians, a quiet
+# minute), RoPE the most (its two reshapes are skipped for contiguous tables). What
+# they accept and refuse is unchanged.
 
 
 def _rows(t: torch.Tensor, width: int, dtype: torch.dtype) -> bool:

@@ -152,6 +152,28 @@ def test_write_kv_refuses_a_cache_layout_it_cannot_view_as_token_rows():
         assert not k_cache.any() and not v_cache.any()
 
 
+def test_write_kv_with_a_step_memo_writes_each_layer_into_its_own_tiles():
+    """Every layer of a step shares the metadata's memo, in which write_kv keeps each
+    cache view's token-row view: with one memo for all layers (as `forward` passes
+    it), each layer's K/V still lands in that layer's tiles only, and again in a second
+    step (a new memo) after the cache was rebuilt at another address."""
+    nb, bs, kvh, d, layers = 5, 8, 2, 16, 3
+    slots = torch.tensor([bs + 3, 3 * bs])  # block 1 offset 3, block 3 offset 0
+    for step in range(2):
+        kv = torch.zeros(nb, layers, 2, bs, kvh, d)
+        memo: dict = {}
+        for layer in range(layers):
+            k = torch.full((2, kvh, d), 10.0 * step + layer + 1)
+            write_kv(k, -k, kv[:, layer, 0], kv[:, layer, 1], slots, memo)
+        for layer in range(layers):
+            want = 10.0 * step + layer + 1
+            for kvi, sign in ((0, 1), (1, -1)):
+                tiles = kv[:, layer, kvi]
+                assert torch.equal(tiles[1, 3], torch.full((kvh, d), sign * want))
+                assert torch.equal(tiles[3, 0], torch.full((kvh, d), sign * want))
+                assert int((tiles != 0).sum()) == 2 * kvh * d  # nothing else written
+
+
 @needs_kernel
 def test_kernel_on_strided_query_rows_and_long_sequences():
     """q as the model hands it (a view into a wider qk tensor), lengths past 512."""

@@ -216,6 +216,24 @@ def test_rope_in_place_matches_apply_rope(lib, shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_takes_cos_sin_rows_of_any_stride_and_two_dim_tables(lib, dtype):
+    """cos/sin as the model makes them ([T, 1, D] contiguous: the wrapper's fast path),
+    as [T, D], and as strided rows of wider tables (its general path) rotate alike."""
+    g = torch.Generator().manual_seed(41)
+    t, heads, d = 7, 3, 16
+    x = _rand(g, t, heads, d, dtype=dtype)
+    wide_c, wide_s = _rand(g, t, 3 * d, dtype=dtype), _rand(g, t, 3 * d, dtype=dtype)
+    cos, sin = wide_c[:, d : 2 * d], wide_s[:, d : 2 * d]  # rows 3 * D apart
+    ref = apply_rope(x.clone(), cos[:, None], sin[:, None])
+    for c, s in (
+        (cos, sin),
+        (cos.contiguous(), sin.contiguous()),
+        (cos.contiguous()[:, None], sin.contiguous()[:, None]),
+    ):
+        _assert_same(cpu_ops.rope_(lib, x.clone(), c, s), ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", ROPE_SHAPES, ids=str)
 def test_rope_with_head_norm_is_rms_norm_then_apply_rope(lib, shape, dtype):
     """Qwen3's q/k norm: each head rms-normalized (RMSNorm's tolerance against torch),
@@ -268,6 +286,24 @@ def test_bad_layouts_and_dtypes_are_refused():
         cpu_ops.silu_and_mul(LIB, torch.randn(4, 33).bfloat16())
     with pytest.raises(ValueError, match="even D"):
         cpu_ops.rope_(LIB, torch.randn(2, 3, 7).bfloat16(), x, x)
+    # what the wrappers' fast checks pass to their full ones
+    with pytest.raises(ValueError, match=r"y: expected \[rows, 32\]"):
+        cpu_ops.add_rms_norm(LIB, x, torch.randn(4, 16).bfloat16(), w, 1e-6)  # y's width
+    with pytest.raises(ValueError, match=r"x: expected \[rows, 16\]"):
+        cpu_ops.add_rms_norm(LIB, x, x.clone(), w[:16], 1e-6)  # the weight's width
+    with pytest.raises(ValueError, match=r"differ"):
+        cpu_ops.add_rms_norm(LIB, x, x[:3].clone(), w, 1e-6)
+    with pytest.raises(ValueError, match=r"weight: expected \[rows, 32\]"):
+        cpu_ops.rms_norm(LIB, x, torch.randn(64).bfloat16()[::2], 1e-6)  # strided weight
+    with pytest.raises(ValueError, match=r"cos/sin \(3, 16\), \(3, 16\) for 4 tokens"):
+        cpu_ops.rope_(LIB, x.view(4, 2, 16), x[:3, :16], x[:3, :16])
+    c = torch.randn(5, 16).bfloat16()
+    with pytest.raises(ValueError, match=r"cos/sin \(5, 16\), \(5, 16\) for 4 tokens"):
+        cpu_ops.rope_(LIB, x.view(4, 2, 16), c, c)
+    with pytest.raises(ValueError, match=r"cos/sin \(4, 2, 8\)"):  # right size, wrong D
+        cpu_ops.rope_(LIB, x.view(4, 2, 16), c[:4].view(4, 2, 8), c[:4].view(4, 2, 8))
+    with pytest.raises(ValueError, match=r"gate_up: expected \[rows, 64\]"):
+        cpu_ops.silu_and_mul(LIB, torch.randn(64, 4).bfloat16().t())  # column-major
 
 
 # ---- the model ------------------------------------------------------------------------

@@ -166,6 +166,22 @@ def test_kv_cache_layout_and_layer_views():
     assert cache.nbytes == 6 * cache.bytes_per_block
 
 
+def test_kv_cache_layer_views_are_made_once_and_follow_a_replaced_kv():
+    """`layer` hands out the same two views every call (made once: the forward asks per
+    layer per step), writes through them land in `kv`, views made under inference mode
+    are ordinary tensors, and a replaced `kv` gets views of its own."""
+    cache = _filled_cache()
+    with torch.inference_mode():
+        k, v = cache.layer(1)
+    assert not k.is_inference() and not v.is_inference()
+    assert cache.layer(1)[0] is k and cache.layer(1)[1] is v and cache.layer(-1)[0] is k
+    k[2, 1].fill_(7.0)
+    assert torch.equal(cache.kv[2, 1, 0, 1], torch.full((3, 16), 7.0))
+    cache.kv = torch.zeros_like(cache.kv)
+    k2, _ = cache.layer(1)
+    assert k2 is not k and k2.data_ptr() == cache.kv[:, 1, 0].data_ptr() and not k2.any()
+
+
 def test_copy_blocks_copies_every_layer_and_reads_before_writing():
     cache = _filled_cache()
     before = cache.kv.clone()

@@ -320,13 +320,16 @@ class DecoderLayer(nn.Module):
         t = h.shape[0]
         qkv = _mm(h, self.qkv_proj, self.qkv_bias, self.packed.get("qkv_proj"))
         n_qk = s.num_q_heads + s.num_kv_heads
-        v = qkv[:, s.q_size + s.kv_size :].view(t, s.num_kv_heads, s.head_dim)
+        # qkv's heads [q | k | v] as views: one `view` and one `split_with_sizes` (a
+        # slice and a view each cost ~3-4 us, `Tensor.split`'s Python ~7 us; ~10 us a
+        # layer saved this way, 2026-12-02, 2-core Skylake-SP Xeon)
+        heads = qkv.view(t, n_qk + s.num_kv_heads, s.head_dim)
+        qk, v = torch.split_with_sizes(heads, (n_qk, s.num_kv_heads), 1)
         if ops is not None:
             # In place in qkv (q/k rows stay strided, as v's already are): the fused
             # kernel normalizes (Qwen3) and rotates each head in one pass; without
             # q/k norms, q and k heads in one call (each call's Python costs ~20 us).
-            qk = qkv[:, : s.q_size + s.kv_size].view(t, n_qk, s.head_dim)
-            q, k = qk.split((s.num_q_heads, s.num_kv_heads), dim=1)
+            q, k = torch.split_with_sizes(qk, (s.num_q_heads, s.num_kv_heads), 1)
             if self.q_norm is None:
                 cpu_ops.rope_(ops, qk, cos, sin)
             else:
@@ -334,7 +337,7 @@ class DecoderLayer(nn.Module):
                 cpu_ops.rope_(ops, k, cos, sin, self.k_norm, s.rms_norm_eps)
         elif self.q_norm is None:
             # RoPE over q and k heads at once: [T, H + kvh, d]
-            qk = apply_rope(qkv[:, : s.q_size + s.kv_size].view(t, n_qk, s.head_dim), cos, sin)
+            qk = apply_rope(qk, cos, sin)
             q, k = qk.split((s.num_q_heads, s.num_kv_heads), dim=1)
         else:
             q, k, _ = qkv.split((s.q_size, s.kv_size, s.kv_size), dim=-1)

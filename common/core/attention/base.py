@@ -129,11 +129,29 @@ def write_kv(
     past the layer's own tiles into the other layers' bytes of each block, but only
     rows that are this layer's tokens are ever indexed.
     """
-    rows_k, per_block = _token_rows(k_cache)
-    rows_v, _ = _token_rows(v_cache)
+    rows_k, per_block = _token_rows_memo(k_cache, memo)
+    rows_v, _ = _token_rows_memo(v_cache, memo)
     rows = _slot_rows(slot_mapping, k_cache.shape[1], per_block, memo)
     rows_k.index_copy_(0, rows, k.to(k_cache.dtype))
     rows_v.index_copy_(0, rows, v.to(v_cache.dtype))
+
+
+def _token_rows_memo(cache: torch.Tensor, memo: dict | None) -> tuple[torch.Tensor, int]:
+    """`_token_rows(cache)`, its checks and arithmetic done once a step: they depend
+    only on the shape and strides, which every layer's view of the cache shares (each
+    layer's view starts at its own address, so the row view itself is made per call,
+    one `as_strided`). Checks and all cost ~9 us a cache view, ~0.5 ms of a 30-layer
+    step (2026-12-02, 2-core Skylake-SP Xeon)."""
+    if memo is None:
+        return _token_rows(cache)
+    key = ("token_rows", cache.shape, cache.stride())
+    got = memo.get(key)
+    if got is None:
+        rows, per_block = _token_rows(cache)
+        memo[key] = (rows.shape, rows.stride(), per_block)
+        return rows, per_block
+    shape, stride, per_block = got
+    return cache.as_strided(shape, stride), per_block
 
 
 def _slot_rows(

@@ -809,6 +809,15 @@ static void merge_chunks(const float *parts, int64_t n, int64_t H, int64_t D,
  * partial results had no room); -2 - r when row r has a length
  * outside [0, t_width * BS], a sequence index outside [0, n_tables) or a block
  * id outside [0, NB) (all checked before anything is read or written). */
+/* Whether fp32 row r joins the group of the rows before it (`run` of them): the same
+ * sequence, both rows non-empty (a length-0 row breaks a group), room left. Counting
+ * the groups and marking their starts (attend) must agree row for row: one predicate. */
+static inline int joins_group(const int32_t *row_seq, const int32_t *lens, int64_t r,
+                              int64_t run) {
+    return r > 0 && run < GROUP_ROWS && row_seq[r] == row_seq[r - 1] && lens[r] > 0 &&
+           lens[r - 1] > 0;
+}
+
 static int attend(int bf16, const void *q, int64_t q_stride, const void *k_cache,
                   const void *v_cache, int64_t NB, const int32_t *tables, int64_t n_tables,
                   int64_t t_stride, int64_t t_width, const int32_t *row_seq,
@@ -852,10 +861,7 @@ static int attend(int bf16, const void *q, int64_t q_stride, const void *k_cache
     if (!bf16 && row_seq != NULL && f32_vector_path(D)) {
         int64_t n_groups = 0, run = 0;
         for (int64_t r = 0; r < R; ++r) {
-            run = r > 0 && run < GROUP_ROWS && row_seq[r] == row_seq[r - 1] && lens[r] > 0 &&
-                          lens[r - 1] > 0
-                      ? run + 1
-                      : 1;
+            run = joins_group(row_seq, lens, r, run) ? run + 1 : 1;
             n_groups += run == 1;
             widest = run > widest ? run : widest;
         }
@@ -867,10 +873,7 @@ static int attend(int bf16, const void *q, int64_t q_stride, const void *k_cache
             }
             n_groups = 0, run = 0;
             for (int64_t r = 0; r < R; ++r) {
-                run = r > 0 && run < GROUP_ROWS && row_seq[r] == row_seq[r - 1] &&
-                              lens[r] > 0 && lens[r - 1] > 0
-                          ? run + 1
-                          : 1;
+                run = joins_group(row_seq, lens, r, run) ? run + 1 : 1;
                 if (run == 1) gs[n_groups++] = r;
             }
             gs[n_groups] = R;

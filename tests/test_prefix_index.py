@@ -221,7 +221,7 @@ class LossyLink(PrefixIndex):
         self.inner.remove_worker(worker_id)
 
     def heartbeat(self, worker_id, ttl_s):
-        self.inner.heartbeat(worker_id, ttl_s)
+        return self.inner.heartbeat(worker_id, ttl_s)
 
     def match(self, block_hashes):
         return self.inner.match(block_hashes)
@@ -379,6 +379,25 @@ def test_lapsed_heartbeat_hides_then_reaps_worker(index: PrefixIndex) -> None:
     assert index.workers() == ["B"]
     assert index.worker_hashes("B") == set(CHAIN[:2])
     assert index.reap() == []
+
+
+def test_heartbeat_says_when_the_index_needs_the_full_list(index: PrefixIndex) -> None:
+    """heartbeat() answers True while the index holds no usable list of the worker
+    (unknown, removed, reaped, or awaiting its resync), so an idle worker, which has no
+    batch whose GAP would tell it, still learns that it must resync."""
+    assert index.heartbeat("A", 60) is True  # first contact
+    index.resync("A", CHAIN[:2], 0)
+    assert index.heartbeat("A", 60) is False
+    assert index.apply(batch("A", 5, stored(CHAIN[3]))) is ApplyResult.GAP
+    assert index.heartbeat("A", 60) is True  # still waiting for its resync
+    index.resync("A", CHAIN[:3], 6)
+    assert index.heartbeat("A", 60) is False
+    index.remove_worker("A")
+    assert index.heartbeat("A", 60) is True
+    join(index, "B", CHAIN[:1], ttl_s=0.3)
+    assert wait_until(lambda: "B" not in index.match(CHAIN))
+    assert index.heartbeat("B", 60) is True  # lapsed: reaped by its own late heartbeat
+    assert index.worker_hashes("B") == set()
 
 
 def test_heartbeat_extends_liveness(index: PrefixIndex) -> None:
@@ -560,11 +579,34 @@ def test_publisher_tick_heartbeats_when_due(index: PrefixIndex) -> None:
     assert index.workers() == ["w0"]
     assert wait_until(lambda: index.workers() == [])  # no heartbeat due on the fake clock
     now[0] = 100.0
-    assert publisher.tick() is True  # heartbeat due; the reaped worker is a gap -> resync
+    assert publisher.tick() is True  # heartbeat due; the reaped worker is told to resync
     cache.store(CHAIN[:2])
     assert publisher.publish(cache.drain_events()) is True
     assert index.workers() == ["w0"]
     assert index.match(CHAIN) == {"w0": 2}
+
+
+def test_idle_publisher_forgotten_by_the_index_resyncs_at_its_next_heartbeat(
+    index: PrefixIndex,
+) -> None:
+    now = [0.0]
+    cache = ToyCache(capacity=8)
+    cache.store(CHAIN[:4])
+    publisher = IndexPublisher(
+        index, "w0", cache.cached_hashes, ttl_s=60, heartbeat_every_s=1, clock=lambda: now[0]
+    )
+    assert publisher.publish(cache.drain_events()) is True
+    index.remove_worker("w0")  # reaped after a late heartbeat; w0 caches nothing new
+    assert publisher.tick() is True  # no heartbeat due: it cannot know yet
+    assert index.worker_hashes("w0") == set()
+    now[0] = 1.0
+    assert publisher.tick() is True  # the heartbeat says "unknown": full list at once
+    assert index.worker_hashes("w0") == set(CHAIN[:4])
+    assert index.match(CHAIN) == {"w0": 4}
+    assert publisher.stats.resyncs == 2
+    now[0] = 2.0
+    assert publisher.tick() is True  # known again: a plain heartbeat
+    assert publisher.stats.resyncs == 2
 
 
 def test_publisher_goodbye_leaves_the_index(index: PrefixIndex) -> None:

@@ -408,6 +408,21 @@ def test_worker_killed_without_goodbye_leaves_the_index_within_its_ttl(
         wait_for(lambda r=router: "d-doomed" not in r.live_worker_ids(), 5.0, "registry drop")
 
 
+def test_an_idle_worker_the_index_forgot_publishes_its_list_at_its_next_heartbeat(cluster):
+    """A worker whose heartbeat came late (a loaded host) is reaped: the index drops its
+    entries. Its next heartbeat must bring them back even if it caches nothing new
+    (before, only its next batch of events did, so an idle worker stayed invisible)."""
+    seed_prefix(cluster, "p0", prompt(651 + len(cluster.address), 40))
+    p0 = cluster.workers["p0"]
+    assert cached(p0)
+    resyncs = p0.index_sync.publisher.stats.resyncs
+    index = index_of(cluster.router)
+    index.remove_worker("p0")  # what reaping does to a lapsed worker
+    wait_indexed(cluster)
+    assert index.worker_hashes("p0") == cached(p0)
+    assert p0.index_sync.publisher.stats.resyncs == resyncs + 1
+
+
 # ---- outages, gaps, stale entries -------------------------------------------------------
 
 

@@ -38,6 +38,12 @@ heartbeat lapsed is reaped (all its entries dropped) by the next ``heartbeat``
 of any worker, by :meth:`workers`, or by :meth:`reap`; a worker must therefore
 heartbeat before (or right after) its resync. ``remove_worker`` is the goodbye.
 
+``heartbeat`` answers whether the index needs the worker's full list (it holds no
+sequence state for it, or awaits its resync). A reaped worker that caches nothing
+new sends no batch whose ``GAP`` would tell it that it was forgotten; without this
+answer an idle worker stayed out of ``match`` until its next event, its cached
+prefixes invisible to every router.
+
 Hashes are the block manager's chained block hashes: ``HASH_SIZE`` raw bytes.
 This module imports nothing outside the standard library.
 """
@@ -236,8 +242,14 @@ class PrefixIndex(ABC):
         """Drop every entry, the sequence state and the liveness of ``worker_id``."""
 
     @abstractmethod
-    def heartbeat(self, worker_id: str, ttl_s: float) -> None:
-        """Keep ``worker_id`` alive for ``ttl_s`` seconds from now; reap lapsed workers."""
+    def heartbeat(self, worker_id: str, ttl_s: float) -> bool:
+        """Keep ``worker_id`` alive for ``ttl_s`` seconds from now; reap lapsed workers.
+
+        Returns True if the index needs ``worker_id``'s full list: it does not know the
+        worker (first contact, removed, reaped after a lapse, a restarted index) or
+        awaits its resync. False: its entries are current up to its sequence number.
+        Lapsed workers, ``worker_id`` included, are reaped before the answer is read.
+        """
 
     @abstractmethod
     def match(self, block_hashes: Sequence[bytes]) -> dict[str, int]:

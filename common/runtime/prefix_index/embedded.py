@@ -92,12 +92,14 @@ class EmbeddedPrefixIndex(PrefixIndex):
         with self._lock:
             self._remove(worker_id)
 
-    def heartbeat(self, worker_id: str, ttl_s: float) -> None:
+    def heartbeat(self, worker_id: str, ttl_s: float) -> bool:
         check_worker_id(worker_id)
         ttl_s = check_ttl(ttl_s)
         with self._lock:
             self._reap_locked()
             self._deadline[worker_id] = self._clock() + ttl_s
+            state = self._streams.get(worker_id)
+            return state is None or state.needs_resync
 
     def reap(self) -> list[str]:
         with self._lock:

@@ -23,6 +23,9 @@ Decisions
   the index is unreachable nothing is buffered, so an outage costs no memory.
 - Resync heartbeats first, so another worker's reaping cannot drop the list
   between the two calls.
+- A heartbeat that the index answers with "I need your list" (it reaped or lost
+  this worker) makes a resync due at once, so an idle worker, which sends no batch
+  whose GAP would say so, rejoins the index within one heartbeat.
 - Any exception from the index (not only :class:`IndexUnavailableError`: a bug, a
   snapshot that could not be taken) counts as lost contact: buffered events are
   dropped, a resync is due, and the error is logged (the first of an outage at once,
@@ -224,11 +227,18 @@ class IndexPublisher:
 
     def _heartbeat_locked(self) -> bool:
         try:
-            self.index.heartbeat(self.worker_id, self.ttl_s)
+            forgotten = self.index.heartbeat(self.worker_id, self.ttl_s)
         except Exception as exc:
             self._lost_contact_locked(exc)
             return False
         self._next_heartbeat = self._clock() + self.heartbeat_every_s
+        if forgotten and not self._needs_resync:
+            # Reaped (a late heartbeat), removed, or an index that restarted: the list
+            # goes at the next flush (tick's own), even if no event ever follows.
+            logger.info("prefix index no longer holds %s's list: resyncing", self.worker_id)
+            self.stats.dropped_events += len(self._pending)
+            self._pending.clear()
+            self._needs_resync = True
         return True
 
     def _resync_locked(self) -> bool:

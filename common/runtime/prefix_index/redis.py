@@ -241,8 +241,10 @@ _DRAIN_LUA = _LUA_PRELUDE + "\nreturn drain(tonumber(ARGV[2]), ARGV[3])\n"
 # ARGV: prefix, worker, budget. Returns the hashes of the worker still to drain.
 _REMOVE_LUA = _LUA_PRELUDE + "\nremove_worker(ARGV[2])\nreturn drain(tonumber(ARGV[3]), ARGV[2])\n"
 
-# ARGV: prefix, worker, ttl in ms, budget. Reaps first, so a worker never reaps
-# itself; then one drain step. Returns the reaped workers.
+# ARGV: prefix, worker, ttl in ms, budget. Reaps first (a lapsed worker is reaped by
+# its own late heartbeat, then comes back alive with no entries); then one drain step.
+# Returns {reaped workers, 1 if the index needs the worker's full list else 0}: no m:
+# hash (unknown, removed, reaped) or one marked resync-pending.
 _HEARTBEAT_LUA = (
     _LUA_PRELUDE
     + """
@@ -250,7 +252,10 @@ local dead = reap()
 redis.call('SET', prefix .. 'alive:' .. ARGV[2], '1', 'PX', ARGV[3])
 redis.call('SADD', registry, ARGV[2])
 drain(tonumber(ARGV[4]))
-return dead
+local state = redis.call('HMGET', prefix .. 'm:' .. ARGV[2], 'next', 'resync')
+local need = 0
+if not state[1] or state[2] == '1' then need = 1 end
+return {dead, need}
 """
 )
 
@@ -478,11 +483,12 @@ class RedisPrefixIndex(PrefixIndex):
             while left > 0:
                 left = self._run(self._drain, limit, worker_id)
 
-    def heartbeat(self, worker_id: str, ttl_s: float) -> None:
+    def heartbeat(self, worker_id: str, ttl_s: float) -> bool:
         check_worker_id(worker_id)
         ttl_ms = max(1, round(check_ttl(ttl_s) * 1000))
         with self._guard("heartbeat"):
-            self._run(self._heartbeat, worker_id, ttl_ms, self.max_hashes_per_call)
+            _, need = self._run(self._heartbeat, worker_id, ttl_ms, self.max_hashes_per_call)
+        return bool(need)
 
     def reap(self) -> list[str]:
         limit = self.max_hashes_per_call

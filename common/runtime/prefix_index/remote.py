@@ -65,9 +65,9 @@ class RemotePrefixIndex(PrefixIndex):
         )
         self._call(self._stub.Resync, req)
 
-    def heartbeat(self, worker_id: str, ttl_s: float) -> None:
+    def heartbeat(self, worker_id: str, ttl_s: float) -> bool:
         req = index_pb2.IndexHeartbeatRequest(worker_id=worker_id, ttl_s=ttl_s)
-        self._call(self._stub.Heartbeat, req)
+        return self._call(self._stub.Heartbeat, req).resync_needed
 
     def remove_worker(self, worker_id: str) -> None:
         self._call(self._stub.RemoveWorker, index_pb2.IndexRemoveWorkerRequest(worker_id=worker_id))
@@ -123,8 +123,8 @@ class PrefixIndexServicer(index_pb2_grpc.PrefixIndexServicer):
         return index_pb2.IndexResyncResponse()
 
     async def Heartbeat(self, request, context):  # noqa: N802
-        self.index.heartbeat(request.worker_id, request.ttl_s)
-        return index_pb2.IndexHeartbeatResponse()
+        need = self.index.heartbeat(request.worker_id, request.ttl_s)
+        return index_pb2.IndexHeartbeatResponse(resync_needed=need)
 
     async def RemoveWorker(self, request, context):  # noqa: N802
         self.index.remove_worker(request.worker_id)

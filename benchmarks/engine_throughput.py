@@ -19,10 +19,12 @@ Measured, in one run, each after a warm-up:
 3. transformers one request at a time (slow on CPU: `--single-limit N` times only
    the first N requests and reports their rate, labelled as such);
 4. optionally vLLM's CPU build in its own virtual environment (`--vllm-python`), once
-   per `--dtype`, all requests at once through `LLM.generate`.
+   per `--dtype` and round, all requests at once through `LLM.generate`.
 With several `--dtype`/`--kernel`/`--prepack`/`--fused` values, every combination of
-engine settings runs in turn, `--repeat` alternating rounds, each reported at its median
-round; `--kernel off --prepack off --fused off` is the engine as before bf16 got any. Every
+engine settings runs in turn, `--repeat` alternating rounds (vLLM runs in every round,
+after pagedserve's), each reported at its median round, and with more than one round
+`paired x`: the median over rounds of the reference row's rate over this row's in the
+same round (a shared host's speed drifts by minutes; a pair shares its minute); `--kernel off --prepack off --fused off` is the engine as before bf16 got any. Every
 row is compared with the first pagedserve row of its own dtype: `engine x` is that
 row's rate over this row's, `greedy =` the requests whose tokens equal its tokens
 (exact agreement is expected in float32 only). `start s` is each engine's start-up:
@@ -60,6 +62,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -475,10 +478,20 @@ def reference_row(results: list[dict], row: dict) -> dict:
     return next(same, results[0])
 
 
+def paired_ratio(ref: dict, row: dict) -> float | None:
+    """Median over rounds of ref's tok/s over row's in the same round; None unless both
+    ran the same number (> 1) of alternating rounds (`tok_per_s_runs`, in round order)."""
+    a, b = ref.get("tok_per_s_runs"), row.get("tok_per_s_runs")
+    if not a or not b or len(a) != len(b) or len(a) < 2:
+        return None
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
 def compared(results: list[dict]) -> list[dict]:
     """Each row with `vs` (its reference row's name and dtype), `engine_x` (reference
-    tok/s over the row's: above 1, pagedserve is faster) and `greedy_equal` (requests
-    whose tokens equal the reference's, "same/compared")."""
+    tok/s over the row's: above 1, pagedserve is faster), `paired_x` (the same per
+    round, median; None with one round) and `greedy_equal` (requests whose tokens equal
+    the reference's, "same/compared")."""
     out = []
     for r in results:
         ref = reference_row(results, r)
@@ -487,6 +500,7 @@ def compared(results: list[dict]) -> list[dict]:
                 **r,
                 "vs": f"{ref['name']} {ref['dtype']}",
                 "engine_x": ref["tok_per_s"] / r["tok_per_s"],
+                "paired_x": paired_ratio(ref, r),
                 "greedy_equal": agreement(ref, r),
             }
         )
@@ -495,7 +509,8 @@ def compared(results: list[dict]) -> list[dict]:
 
 TABLE_LEGEND = """\
 engine x: tok/s of the pagedserve row of the same dtype (its first variant) over this
-  row's (above 1: pagedserve is faster). greedy =: requests whose tokens equal that
+  row's (above 1: pagedserve is faster), each at its median round. paired x: the same
+  ratio within each round, median over rounds (- with one round). greedy =: requests whose tokens equal that
   row's exactly, expected on every request in float32 only (in bfloat16 rounding flips
   near-tied logits on these random-token prompts, so about half differ).
 start s: engine construction (weights loaded, prepacked or compiled; KV cache) plus one
@@ -506,14 +521,15 @@ def print_table(rows: list[dict]) -> None:
     """The comparison table (rows from `compared`) and its legend."""
     head = (
         f"{'engine':54} {'dtype':9} {'start s':>8} {'wall s':>8} {'out tok/s':>10} "
-        f"{'engine x':>9} {'greedy =':>9}"
+        f"{'engine x':>9} {'paired x':>9} {'greedy =':>9}"
     )
     lines = []
     for r in rows:
         start = "-" if r["startup_s"] is None else f"{r['startup_s']:.1f}"
+        paired = "-" if r.get("paired_x") is None else f"{r['paired_x']:.2f}"
         lines.append(
             f"{r['name']:54} {r['dtype']:9} {start:>8} {r['wall_s']:8.1f} "
-            f"{r['tok_per_s']:10.1f} {r['engine_x']:9.2f} {r['greedy_equal']:>9}"
+            f"{r['tok_per_s']:10.1f} {r['engine_x']:9.2f} {paired:>9} {r['greedy_equal']:>9}"
         )
     print_rows(None, head, lines)
     print(TABLE_LEGEND)
@@ -595,6 +611,12 @@ def main(argv: list[str] | None = None) -> int:
     reqs = load_workload(args.workload, args.limit)
     variants = [(d, *switches) for d in dtypes for switches in engine_switches(args, DTYPES[d])]
     runs: dict[tuple, list[dict]] = {v: [] for v in variants}
+    vllm_runs: dict[str, list[dict]] = {d: [] for d in dict.fromkeys(dtypes)}
+    failures: list[str] = []
+    vllm_failed: set[str] = set()
+    launch = None
+    if args.vllm_python:
+        launch = vllm_launch(args.vllm_python, args.threads, args.vllm_eager)
     for _ in range(args.repeat):  # alternating rounds: a shared machine's load hits all
         for d, k, pk, f in variants:
             runs[(d, k, pk, f)].append(
@@ -608,22 +630,22 @@ def main(argv: list[str] | None = None) -> int:
                     args.model,
                 )
             )
+        for d in vllm_runs if launch is not None else ():  # once per dtype, as asked
+            if d in vllm_failed:
+                continue  # a dtype vLLM failed on is not run again
+            print(f"vLLM-CPU {d} ({launch.label()}): starting", file=sys.stderr, flush=True)
+            try:
+                vllm_runs[d].append(run_vllm(args.vllm_python, reqs, d, launch, args.model))
+            except VllmFailed as e:
+                print(f"\n{e}\n", file=sys.stderr, flush=True)
+                failures.append(str(e))
+                vllm_failed.add(d)
     results = [_median_run(rs) for rs in runs.values()]
     eng = results[0]
     if not args.skip_baselines:
         results.append(run_hf_static(reqs, dtype, args.static_batch, args.model))
         results.append(run_hf_single(reqs[: args.single_limit], dtype, args.model))
-    failures: list[str] = []
-    launch = None
-    if args.vllm_python:
-        launch = vllm_launch(args.vllm_python, args.threads, args.vllm_eager)
-        for d in dict.fromkeys(dtypes):  # once per dtype, in the order asked
-            print(f"vLLM-CPU {d} ({launch.label()}): starting", file=sys.stderr, flush=True)
-            try:
-                results.append(run_vllm(args.vllm_python, reqs, d, launch, args.model))
-            except VllmFailed as e:
-                print(f"\n{e}\n", file=sys.stderr, flush=True)
-                failures.append(str(e))
+    results += [_median_run(rs) for rs in vllm_runs.values() if rs]
 
     print(
         f"\nworkload {args.workload.name}: {len(reqs)} requests, "

@@ -509,10 +509,11 @@ def compared(results: list[dict]) -> list[dict]:
 
 TABLE_LEGEND = """\
 engine x: tok/s of the pagedserve row of the same dtype (its first variant) over this
-  row's (above 1: pagedserve is faster), each at its median round. paired x: the same
-  ratio within each round, median over rounds (- with one round). greedy =: requests whose tokens equal that
-  row's exactly, expected on every request in float32 only (in bfloat16 rounding flips
-  near-tied logits on these random-token prompts, so about half differ).
+  row's (above 1: pagedserve is faster), each at its median round.
+paired x: the same ratio within each round, median over rounds (- with one round).
+greedy =: requests whose tokens equal that row's exactly, expected on every request in
+  float32 only (in bfloat16 rounding flips near-tied logits on these random-token
+  prompts, so about half differ).
 start s: engine construction (weights loaded, prepacked or compiled; KV cache) plus one
   8-token warm-up request, before the timed run; - where not measured."""
 

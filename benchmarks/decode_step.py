@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import random
 import statistics
 import time
 from collections.abc import Callable
@@ -50,7 +49,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.cli import add_on_off, engine_switches
-from pagedserve.common.core.attention.base import AttentionMetadata
+from benchmarks.paged_meta import paged_metadata
 from pagedserve.common.core.kv_cache import KVCache
 from pagedserve.common.core.loader import LoadedModel, load_model
 
@@ -77,28 +76,6 @@ def _interleaved_ms(
     return [(statistics.median(ts), min(ts)) for ts in times]
 
 
-def _decode_meta(batch: int, context: int, block_size: int, num_blocks: int) -> AttentionMetadata:
-    """B decode sequences, each with `context` cached tokens + 1 new, shuffled blocks."""
-    blocks = list(range(num_blocks))
-    random.Random(0).shuffle(blocks)
-    per_seq = -(-(context + 1) // block_size)
-    tables = [blocks[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
-    slots = [t[context // block_size] * block_size + context % block_size for t in tables]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
-        seq_lens=torch.full((batch,), context + 1, dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
-        num_prefills=0,
-        num_prefill_tokens=0,
-        num_decode_tokens=batch,
-        max_query_len=1,
-        max_seq_len=context + 1,
-        query_lens_cpu=[1] * batch,
-        seq_lens_cpu=[context + 1] * batch,
-    )
-
-
 def paged_step(
     loaded: LoadedModel, batch: int, context: int, block_size: int, shm_dir: str | None = None
 ) -> Callable[[], None]:
@@ -113,7 +90,7 @@ def paged_step(
     positions = torch.full((batch,), context, dtype=torch.int64)
 
     def step() -> None:
-        meta = _decode_meta(batch, context, block_size, cache.num_blocks)  # new each step
+        meta = paged_metadata([1] * batch, [context] * batch, block_size, cache.num_blocks)
         hidden = model(ids, positions, cache, meta)
         model.compute_logits(hidden)
 
@@ -275,27 +252,6 @@ def _print_row(r: dict, header: bool) -> None:
 # ---- --profile: per-op breakdown ------------------------------------------------------
 
 
-def _prefill_meta(n: int, block_size: int, num_blocks: int) -> AttentionMetadata:
-    """One prefill sequence of n new tokens, no cached prefix, shuffled blocks."""
-    blocks = list(range(num_blocks))
-    random.Random(1).shuffle(blocks)
-    table = blocks[: -(-n // block_size)]
-    slots = [table[p // block_size] * block_size + p % block_size for p in range(n)]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.tensor([table], dtype=torch.int32),
-        num_prefills=1,
-        num_prefill_tokens=n,
-        num_decode_tokens=0,
-        max_query_len=n,
-        max_seq_len=n,
-        query_lens_cpu=[n],
-        seq_lens_cpu=[n],
-    )
-
-
 def prefill_step(loaded: LoadedModel, n: int, block_size: int) -> Callable[[], None]:
     """A whole-prompt prefill of n tokens, logits for its last row (as the engine does)."""
     model, spec = loaded.model, loaded.spec
@@ -304,7 +260,7 @@ def prefill_step(loaded: LoadedModel, n: int, block_size: int) -> Callable[[], N
     positions = torch.arange(n)
 
     def step() -> None:
-        meta = _prefill_meta(n, block_size, cache.num_blocks)
+        meta = paged_metadata([n], [0], block_size, cache.num_blocks)
         hidden = model(ids, positions, cache, meta)
         model.compute_logits(hidden[-1:])
 

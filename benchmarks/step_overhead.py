@@ -20,16 +20,15 @@ Compare two trees by running this from each in turn (the shared host's load move
 from __future__ import annotations
 
 import argparse
-import itertools
-import random
 import statistics
 import time
 
 import torch
 
+from benchmarks.paged_meta import paged_metadata
 from pagedserve.common.api.model_config import ModelSpec
 from pagedserve.common.core import cpu_ops
-from pagedserve.common.core.attention import AttentionMetadata, get_attention_backend
+from pagedserve.common.core.attention import get_attention_backend
 from pagedserve.common.core.kv_cache import KVCache
 from pagedserve.common.core.loader import load_model
 from pagedserve.common.core.model import PagedCausalLM
@@ -56,42 +55,13 @@ def _model(real: bool) -> tuple[PagedCausalLM, ModelSpec]:
     return model, TINY
 
 
-def _meta(cache: KVCache, q_lens: list[int], ctxs: list[int]) -> AttentionMetadata:
-    """Sequences of q_lens new tokens on ctxs cached ones, shuffled blocks."""
-    blocks = list(range(cache.num_blocks))
-    random.Random(0).shuffle(blocks)
-    tables, slots, used = [], [], 0
-    for q, c in zip(q_lens, ctxs, strict=True):
-        n = -(-(c + q) // BLOCK)
-        table = blocks[used : used + n]
-        used += n
-        tables.append(table)
-        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(c, c + q)]
-    width = max(map(len, tables))
-    seq_lens = [q + c for q, c in zip(q_lens, ctxs, strict=True)]
-    n_pre = sum(1 for q in q_lens if q > 1)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        num_prefills=n_pre,
-        num_prefill_tokens=sum(q_lens[:n_pre]),
-        num_decode_tokens=len(q_lens) - n_pre,
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=list(q_lens),
-        seq_lens_cpu=seq_lens,
-    )
-
-
 def _step(model, spec, cache, q_lens, ctxs):
     ids = torch.randint(1, min(spec.vocab_size, 512), (sum(q_lens),))
     pos = torch.cat([torch.arange(c, c + q) for q, c in zip(q_lens, ctxs, strict=True)])
     last = len(q_lens) == 1 and q_lens[0] > 1  # a prefill: logits of its last row
 
     def step() -> torch.Tensor:
-        hidden = model(ids, pos, cache, _meta(cache, q_lens, ctxs))
+        hidden = model(ids, pos, cache, paged_metadata(q_lens, ctxs, BLOCK, cache.num_blocks))
         return model.compute_logits(hidden[-1:] if last else hidden)
 
     return step

@@ -31,19 +31,35 @@ def paged_metadata(
         used += n
         tables.append(table)
         slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + q)]
-    width = max(map(len, tables))
     seq_lens = [q + c for q, c in zip(q_lens, ctxs, strict=True)]
-    n_pre = sum(1 for q in q_lens if q > 1)
+    return metadata(q_lens, seq_lens, tables, slots, sum(1 for q in q_lens if q > 1))
+
+
+def metadata(
+    q_lens: list[int],
+    seq_lens: list[int],
+    tables: list[list[int]],
+    slots: list[int],
+    num_prefills: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """AttentionMetadata of a flat batch (its `num_prefills` prefill sequences first),
+    given each sequence's block table and each new token's slot; tables padded with 0."""
+    width = max(map(len, tables))
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        num_prefills=n_pre,
-        num_prefill_tokens=sum(q_lens[:n_pre]),
-        num_decode_tokens=len(q_lens) - n_pre,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(
+            [0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device
+        ),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
+        ),
+        num_prefills=num_prefills,
+        num_prefill_tokens=sum(q_lens[:num_prefills]),
+        num_decode_tokens=len(q_lens) - num_prefills,
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
         query_lens_cpu=list(q_lens),
-        seq_lens_cpu=seq_lens,
+        seq_lens_cpu=list(seq_lens),
     )

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.common.core.attention.base import AttentionMetadata
+from benchmarks.paged_meta import metadata as make_metadata  # noqa: F401 (tests import it here)
 from pagedserve.common.core.kv_cache import KVCache
 from pagedserve.common.core.model import PagedCausalLM
 
@@ -337,36 +337,6 @@ class PagedSession:
         pos = torch.arange(n)
         blocks = torch.tensor(seq.block_table)[pos // self.block_size]
         return k_cache[blocks, pos % self.block_size], v_cache[blocks, pos % self.block_size]
-
-
-def make_metadata(
-    q_lens: list[int],
-    seq_lens: list[int],
-    tables: list[list[int]],
-    slots: list[int],
-    num_prefills: int,
-    device: torch.device | str = "cpu",
-) -> AttentionMetadata:
-    """AttentionMetadata for a flat batch (prefill sequences first)."""
-    width = max(len(t) for t in tables)
-    qsl = [0]
-    for q in q_lens:
-        qsl.append(qsl[-1] + q)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(
-            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
-        ),
-        num_prefills=num_prefills,
-        num_prefill_tokens=sum(q_lens[:num_prefills]),
-        num_decode_tokens=len(q_lens) - num_prefills,
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=list(q_lens),
-        seq_lens_cpu=list(seq_lens),
-    )
 
 
 @contextlib.contextmanager

@@ -787,7 +787,7 @@ def print_split(splits: dict[str, dict]) -> None:
         print(f"  {name}: {shares}")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint dir (default: the default model)")
     p.add_argument("--dtype", default="float32")
@@ -817,7 +817,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--redis-url", default=None, help="default: start a private redis-server")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
     if args.blocks_per_worker is None:
         args.blocks_per_worker = 4 * -(-args.system_tokens // BLOCK_SIZE)
     return args

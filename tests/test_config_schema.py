@@ -26,6 +26,7 @@ import tomllib
 import yaml
 
 import pagedserve
+from benchmarks import engine_throughput, prefix_routing
 from pagedserve import admin_cli, cli, launch
 from pagedserve.common.api import settings
 from pagedserve.common.api.settings import (
@@ -295,8 +296,11 @@ def test_readme_flags_parse():
         client |= _subparser_flags(sub)
     for sub in ("status", "scale"):
         client |= {o for a in admin_cli.build_parser(sub)._actions for o in a.option_strings}
-    # ray start --head; benchmarks' flags
+    # ray start --head; benchmarks' flags (those of the two whose flags the README's
+    # benchmark table names come from their own parsers)
     other = {"--head", "--json", "--profile", "--api", "--vllm-python"}
+    for parser in (engine_throughput._parser(), prefix_routing.build_parser()):
+        other |= {o for a in parser._actions for o in a.option_strings}
     # `vllm bench serve` against the HTTP API (vLLM's own flags)
     other |= {"--backend", "--base-url", "--endpoint", "--tokenizer", "--dataset-name"}
     other |= {"--num-prompts"}

@@ -438,6 +438,7 @@ class Cluster:
                 result.stopped.append(wid)
                 if not emptied:
                     result.cut.append(wid)
+            _wait_gone([actor for _, actor in leaving], 10.0)  # "stopped" means gone
             for actor in joining:  # loading the model: as long as a start may take
                 self._check_attached(ray.get(actor.describe.remote(), timeout=600))
             if joining:
@@ -529,6 +530,10 @@ def stop_workers(actors: list[Any], timeout_s: float = 10.0) -> None:
     launcher stopped during start-up take ~10 s per such worker to exit. An actor that
     has not stopped by then is killed as it is (its KV cache file, if any, is removed
     by the next worker that starts on its host).
+
+    Returns once every actor is gone (or after another `timeout_s`): `ray.kill` only
+    asks the GCS, and until that reaches the actor's process a call made right after
+    (a `scale` caller's, say) could still be served by a worker reported as stopped.
     """
     import ray
 
@@ -544,6 +549,32 @@ def stop_workers(actors: list[Any], timeout_s: float = 10.0) -> None:
             logger.warning("%d worker(s) did not stop within %g s: killed", len(late), timeout_s)
     for actor in actors:
         ray.kill(actor, no_restart=True)
+    _wait_gone(actors, timeout_s)
+
+
+def _wait_gone(actors: list[Any], timeout_s: float) -> None:
+    """Until a call to each killed actor fails with RayActorError (it is dead), bounded."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    pending = list(actors)
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            logger.warning("%d killed worker(s) still answer after %g s", len(pending), timeout_s)
+            return
+        alive = []
+        for actor in pending:
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=max(0.05, min(1.0, left)))
+                alive.append(actor)  # answered: the kill has not landed yet
+            except ray.exceptions.GetTimeoutError:
+                alive.append(actor)
+            except ray.exceptions.RayActorError:
+                pass  # gone
+        pending = alive
+        if pending:
+            time.sleep(0.05)
 
 
 def advertised_address(bound: str, advertise_host: str | None) -> str:

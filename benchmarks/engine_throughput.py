@@ -24,7 +24,8 @@ With several `--dtype`/`--kernel`/`--prepack`/`--fused` values, every combinatio
 engine settings runs in turn, `--repeat` alternating rounds (vLLM runs in every round,
 after pagedserve's), each reported at its median round, and with more than one round
 `paired x`: the median over rounds of the reference row's rate over this row's in the
-same round (a shared host's speed drifts by minutes; a pair shares its minute); `--kernel off --prepack off --fused off` is the engine as before bf16 got any. Every
+same round (a shared host's speed drifts by minutes; a pair shares its minute);
+`--kernel off --prepack off --fused off` is the engine as before bf16 got any. Every
 row is compared with the first pagedserve row of its own dtype: `engine x` is that
 row's rate over this row's, `greedy =` the requests whose tokens equal its tokens
 (exact agreement is expected in float32 only). `start s` is each engine's start-up:

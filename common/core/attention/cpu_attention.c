@@ -268,9 +268,6 @@ static inline void prefetch_row_start(const void *k_cache, size_t elem, const in
     }
 }
 
-/* C = D / 16 vectors per head row; inlined with C = 1, 2, 4, 8, 16.
- * Tokens go 16 at a time; the last tile's rows past L repeat row L - 1 (real,
- * finite data) and their scores are set to -inf, so no tile needs a branch. */
 /* One 16-token tile of weighted V for one (row, head): ah [D] += sum over the tile's
  * tokens j of ph[j] * (V row of token off[j], at v_kh: the head's KV offset applied),
  * C = D / 16 vectors kept in registers. Shared by the one-row and grouped paths, which
@@ -294,6 +291,9 @@ static inline __attribute__((always_inline)) void add_v_tile(float *ah, const fl
     for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(ah + 16 * c, a[c]);
 }
 
+/* C = D / 16 vectors per head row; inlined with C = 1, 2, 4, 8, 16.
+ * Tokens go 16 at a time; the last tile's rows past L repeat row L - 1 (real,
+ * finite data) and their scores are set to -inf, so no tile needs a branch. */
 static inline __attribute__((always_inline)) void one_row_avx512_impl(
     const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
     int64_t L, int64_t H, int64_t KVH, int64_t BS, int64_t BSTR, float scale, float *out, float *s,
@@ -800,15 +800,6 @@ static void merge_chunks(const float *parts, int64_t n, int64_t H, int64_t D,
     }
 }
 
-/* Attends R query rows (fp32 or bf16 elements). Row r: query q + r * q_stride, output out + r * out_stride,
- * the first lens[r] tokens of the sequence whose block table is row
- * (row_seq ? row_seq[r] : r) of `tables` (n_tables rows of t_width ids, row
- * stride t_stride); lens[r] == 0 skips the row (its output is left alone).
- * Returns 0; -1 when memory ran out (a thread that cannot allocate its scratch just
- * takes no items, the others do them all; -1 when none could, or the split rows'
- * partial results had no room); -2 - r when row r has a length
- * outside [0, t_width * BS], a sequence index outside [0, n_tables) or a block
- * id outside [0, NB) (all checked before anything is read or written). */
 /* Whether fp32 row r joins the group of the rows before it (`run` of them): the same
  * sequence, both rows non-empty (a length-0 row breaks a group), room left. Counting
  * the groups and marking their starts (attend) must agree row for row: one predicate. */
@@ -818,6 +809,15 @@ static inline int joins_group(const int32_t *row_seq, const int32_t *lens, int64
            lens[r - 1] > 0;
 }
 
+/* Attends R query rows (fp32 or bf16 elements). Row r: query q + r * q_stride, output out + r * out_stride,
+ * the first lens[r] tokens of the sequence whose block table is row
+ * (row_seq ? row_seq[r] : r) of `tables` (n_tables rows of t_width ids, row
+ * stride t_stride); lens[r] == 0 skips the row (its output is left alone).
+ * Returns 0; -1 when memory ran out (a thread that cannot allocate its scratch just
+ * takes no items, the others do them all; -1 when none could, or the split rows'
+ * partial results had no room); -2 - r when row r has a length
+ * outside [0, t_width * BS], a sequence index outside [0, n_tables) or a block
+ * id outside [0, NB) (all checked before anything is read or written). */
 static int attend(int bf16, const void *q, int64_t q_stride, const void *k_cache,
                   const void *v_cache, int64_t NB, const int32_t *tables, int64_t n_tables,
                   int64_t t_stride, int64_t t_width, const int32_t *row_seq,

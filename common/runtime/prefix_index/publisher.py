@@ -150,9 +150,8 @@ class IndexPublisher:
     def lost(self, count: int) -> None:
         """``count`` events were lost before they were numbered: resync at the next flush."""
         with self._lock:
-            self.stats.dropped_events += count + len(self._pending)
-            self._pending.clear()
-            self._needs_resync = True
+            self.stats.dropped_events += count
+            self._resync_due_locked()
 
     def publish(self, events: Iterable[object]) -> bool:
         """``add`` then ``flush``."""
@@ -236,9 +235,7 @@ class IndexPublisher:
             # Reaped (a late heartbeat), removed, or an index that restarted: the list
             # goes at the next flush (tick's own), even if no event ever follows.
             logger.info("prefix index no longer holds %s's list: resyncing", self.worker_id)
-            self.stats.dropped_events += len(self._pending)
-            self._pending.clear()
-            self._needs_resync = True
+            self._resync_due_locked()
         return True
 
     def _resync_locked(self) -> bool:
@@ -262,11 +259,15 @@ class IndexPublisher:
         self._back_in_contact_locked()
         return True
 
-    def _lost_contact_locked(self, exc: Exception) -> None:
-        self.stats.unavailable += 1
+    def _resync_due_locked(self) -> None:
+        """Buffered events are dropped (counted) and the next flush publishes the full list."""
         self.stats.dropped_events += len(self._pending)
         self._pending.clear()
         self._needs_resync = True
+
+    def _lost_contact_locked(self, exc: Exception) -> None:
+        self.stats.unavailable += 1
+        self._resync_due_locked()
         if not self._outage:
             self._log.reset("lost")  # a new outage: say so at once
         self._log.log(

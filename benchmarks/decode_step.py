@@ -17,9 +17,9 @@ alternation, so the bf16/fp32 ratio (and, with `--kernel on off`, the compiled
 attention kernel against the torch gather + SDPA path; with `--prepack on off`,
 weights packed at load (MKL's packed GEMM in fp32, oneDNN in bf16) against torch's
 matmul; with `--fused on off`, the fused C kernels (bf16, fp32) of RMSNorm +
-residual add, SiLU-and-mul and RoPE vs torch's ops) comes from the same minutes of a shared machine: `vs first` = the
-first row's median / this row's. `--kernel off --prepack off --fused off` is the
-engine as it was before bf16 got any of them.
+residual add, SiLU-and-mul and RoPE vs torch's ops) comes from the same minutes of
+a shared machine: `vs first` = the first row's median / this row's. `--kernel off
+--prepack off --fused off` is the engine as it was before bf16 got any of them.
 
 `--profile` instead breaks one decode step (`--batch`'s first value, default 64
 with it) and one `--prefill-len`-token prefill step into per-op times with

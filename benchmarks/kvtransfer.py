@@ -27,10 +27,17 @@ goes from randomly placed blocks of one cache into randomly placed blocks of ano
             the transport's KVChunk messages, received and dropped (the baseline for grpc),
             over the transport's own channel: the same connection and options.
 - grpc:     `GrpcTransport.pull_into` from an exporter in another process (its own
-            cache, KVSource staged privately, KVTransfer servicer): frame, send, unframe,
-            verify, scatter. The export is done before timing (its cost is `export`).
+            cache, KVSource, KVTransfer servicer) of a staged lease: frame (one copy out
+            of the segment), send, unframe, verify, scatter. The export is done before
+            timing (its cost is `export`).
+- grpc ip:  the same pull of an in-place lease (the exporter's cache in a /dev/shm
+            file, as a worker's is by default): what a puller on another host gets
+            from a default worker. The exporter checksums each chunk's blocks where
+            they lie and copies them into the message at pull time (nothing was done
+            at export), so its exporter side costs a checksum more than `grpc`.
 
-Ratios: shm / memcpy and in place / memcpy (target >= 50%) and grpc / raw grpc (target >= 80%). Throughput is
+Ratios: shm / memcpy and in place / memcpy (target >= 50%) and grpc / raw grpc, grpc ip /
+raw grpc (target >= 80%). Throughput is
 payload bytes over the best time of `--repeats` runs after one warm-up: the machine is
 shared, and the minimum is the measurement least disturbed by other processes (each
 ratio compares best with best, taken in the same run; grpc and raw grpc run in turns,
@@ -123,15 +130,23 @@ def message_sizes(num_blocks: int, chunk_bytes: int) -> list[int]:
 
 
 def _exporter_main(conn, threads: int, chunk_bytes: int, checksum: str) -> None:
-    """A worker-like process: a cache, a KVSource, KVTransfer + raw stream + export RPCs."""
+    """A worker-like process: a cache, a KVSource, KVTransfer + raw stream + export RPCs.
+    Two caches of the same contents: one in ordinary memory (its exports are staged)
+    and one in a /dev/shm file (exported in place, as a default worker's)."""
     torch.set_num_threads(threads)
     kv = new_cache(seed=1)
-    source = KVSource(use_shm=False, max_chunk_bytes=chunk_bytes, checksum=checksum)
+    shared = shm_cache(seed=1)
+    source = KVSource(max_chunk_bytes=chunk_bytes, checksum=checksum)
     messages: dict[int, bytes] = {}
 
     def export(request: bytes, context) -> bytes:
-        (n,) = struct.unpack("<I", request)
-        handle = source.export(kv, random_blocks(n, seed=n), num_tokens=n * BLOCK_SIZE)
+        n, in_place = struct.unpack("<II", request)
+        ids, tokens = random_blocks(n, seed=n), n * BLOCK_SIZE
+        if in_place:
+            handle = source.export(shared.kv, ids, num_tokens=tokens, on_end=lambda: None)
+        else:
+            handle = source.export(kv, ids, num_tokens=tokens)
+        assert handle.in_place == bool(in_place), handle
         return handle.to_proto().SerializeToString()
 
     def release(request: bytes, context) -> bytes:
@@ -173,6 +188,7 @@ def _exporter_main(conn, threads: int, chunk_bytes: int, checksum: str) -> None:
     conn.recv()  # until the parent says stop
     server.stop(grace=None).wait()
     source.close()
+    shared.close()
 
 
 # ------------------------------------------------------------------ measurements
@@ -197,6 +213,9 @@ class Row:
     inplace_speedup_paired: float  # median over turns of staged shm time / in-place time
     grpc_vs_raw: float
     grpc_vs_raw_paired: float  # median of per-turn ratios (see paired_ratio)
+    grpc_inplace_gbps: float  # the pull of an in-place lease
+    grpc_inplace_vs_raw: float
+    grpc_inplace_vs_raw_paired: float
     # CPU time per MiB of payload, summed over every thread of a process: the puller
     # (this process) and the exporter, for the pulls and for the raw streams.
     grpc_cpu_puller_us_per_mib: float
@@ -204,6 +223,9 @@ class Row:
     raw_cpu_puller_us_per_mib: float
     raw_cpu_exporter_us_per_mib: float
     grpc_vs_raw_cpu: float  # raw CPU / grpc CPU, both processes together
+    grpc_inplace_cpu_puller_us_per_mib: float
+    grpc_inplace_cpu_exporter_us_per_mib: float
+    grpc_inplace_vs_raw_cpu: float
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:
@@ -324,29 +346,44 @@ def measure(
     export = channel.unary_unary(f"/{BENCH_SERVICE}/Export")
     from pagedserve.v1 import kvtransfer_pb2
 
-    handle = ExportedKV.from_proto(kvtransfer_pb2.KVHandle.FromString(export(struct.pack("<I", n))))
+    staged, in_place = (
+        ExportedKV.from_proto(
+            kvtransfer_pb2.KVHandle.FromString(export(struct.pack("<II", n, flag)))
+        )
+        for flag in (0, 1)
+    )
     sizes = message_sizes(n, chunk_bytes)
     request = struct.pack(f"<{len(sizes)}I", *sizes)
     dst.zero_()
     exporter_cpu = channel.unary_unary(f"/{BENCH_SERVICE}/CpuSeconds")
-    with grpc_transport.channels.use(handle.transfer_address) as transfer_channel:
+    remote = new_cache(seed=1)[list(staged.block_ids)]
+
+    def pull(handle: ExportedKV) -> None:
+        grpc_transport.pull_into(handle, sink)
+
+    with grpc_transport.channels.use(staged.transfer_address) as transfer_channel:
         raw = transfer_channel.unary_stream(f"/{BENCH_SERVICE}/RawStream")
+        pull(in_place)
+        assert torch.equal(dst[dst_ids], remote), "grpc pull of an in-place lease corrupted data"
+        dst.zero_()
         turns = times_interleaved(
             {
-                "grpc": lambda: grpc_transport.pull_into(handle, sink),
+                "grpc": lambda: pull(staged),
+                "grpc ip": lambda: pull(in_place),
                 "raw": lambda: sum(len(m) for m in raw(request)),
             },
             repeats,
             cpu_clocks=(time.process_time, lambda: struct.unpack("<d", exporter_cpu(b""))[0]),
         )
     times = turns.seconds
-    t_grpc, t_raw = min(times["grpc"]), min(times["raw"])
+    t_grpc, t_raw, t_ip = min(times["grpc"]), min(times["raw"]), min(times["grpc ip"])
     us_per_mib = {
         k: [c / repeats / (nbytes / 2**20) * 1e6 for c in v] for k, v in turns.cpu_seconds.items()
     }
-    remote = new_cache(seed=1)[list(handle.block_ids)]
     assert torch.equal(dst[dst_ids], remote), "grpc transfer corrupted data"
-    channel.unary_unary(f"/{BENCH_SERVICE}/Release")(handle.lease_id.encode())
+    for handle in (staged, in_place):
+        channel.unary_unary(f"/{BENCH_SERVICE}/Release")(handle.lease_id.encode())
+    raw_cpu = sum(us_per_mib["raw"])
 
     gbps = lambda t: nbytes / t / 1e9  # noqa: E731
     return Row(
@@ -367,18 +404,25 @@ def measure(
         inplace_speedup_paired=paired_ratio(phases["shm total"], phases["inplace total"]),
         grpc_vs_raw=t_raw / t_grpc,
         grpc_vs_raw_paired=paired_ratio(times["raw"], times["grpc"]),
+        grpc_inplace_gbps=gbps(t_ip),
+        grpc_inplace_vs_raw=t_raw / t_ip,
+        grpc_inplace_vs_raw_paired=paired_ratio(times["raw"], times["grpc ip"]),
         grpc_cpu_puller_us_per_mib=us_per_mib["grpc"][0],
         grpc_cpu_exporter_us_per_mib=us_per_mib["grpc"][1],
         raw_cpu_puller_us_per_mib=us_per_mib["raw"][0],
         raw_cpu_exporter_us_per_mib=us_per_mib["raw"][1],
-        grpc_vs_raw_cpu=sum(us_per_mib["raw"]) / sum(us_per_mib["grpc"]),
+        grpc_vs_raw_cpu=raw_cpu / sum(us_per_mib["grpc"]),
+        grpc_inplace_cpu_puller_us_per_mib=us_per_mib["grpc ip"][0],
+        grpc_inplace_cpu_exporter_us_per_mib=us_per_mib["grpc ip"][1],
+        grpc_inplace_vs_raw_cpu=raw_cpu / sum(us_per_mib["grpc ip"]),
     )
 
 
 TABLE_HEAD = (
     f"{'tokens':>6} {'blocks':>6} {'MiB':>7} | {'memcpy':>7} {'shm':>7} {'export':>7} "
     f"{'pull':>7} {'shm/mem':>7} {'pull/mem':>8} | {'inplace':>7} {'in/mem':>6} "
-    f"{'in:shm':>6} | {'raw grpc':>8} {'grpc':>7} {'grpc/raw':>8} {'paired':>6}"
+    f"{'in:shm':>6} | {'raw grpc':>8} {'grpc':>7} {'grpc/raw':>8} {'paired':>6} "
+    f"{'grpc ip':>7} {'ip/raw':>6} {'paired':>6}"
 )
 
 
@@ -389,13 +433,15 @@ def _row_line(r: Row) -> str:
         f"{r.shm_vs_memcpy:>7.0%} {r.shm_pull_vs_memcpy:>8.0%} | {r.inplace_gbps:>7.2f} "
         f"{r.inplace_vs_memcpy:>6.0%} {r.inplace_speedup_paired:>5.2f}x | "
         f"{r.raw_grpc_gbps:>8.2f} {r.grpc_gbps:>7.2f} {r.grpc_vs_raw:>8.0%} "
-        f"{r.grpc_vs_raw_paired:>6.0%}"
+        f"{r.grpc_vs_raw_paired:>6.0%} {r.grpc_inplace_gbps:>7.2f} "
+        f"{r.grpc_inplace_vs_raw:>6.0%} {r.grpc_inplace_vs_raw_paired:>6.0%}"
     )
 
 
 CPU_HEAD = (
     f"{'tokens':>6} | {'raw: puller':>11} {'exporter':>8} | {'grpc: puller':>12} "
-    f"{'exporter':>8} | {'cpu raw/grpc':>12}"
+    f"{'exporter':>8} | {'cpu raw/grpc':>12} | {'grpc ip: puller':>15} {'exporter':>8} | "
+    f"{'cpu raw/ip':>10}"
 )
 
 
@@ -403,7 +449,9 @@ def _cpu_line(r: Row) -> str:
     return (
         f"{r.tokens:>6} | {r.raw_cpu_puller_us_per_mib:>11.0f} "
         f"{r.raw_cpu_exporter_us_per_mib:>8.0f} | {r.grpc_cpu_puller_us_per_mib:>12.0f} "
-        f"{r.grpc_cpu_exporter_us_per_mib:>8.0f} | {r.grpc_vs_raw_cpu:>12.0%}"
+        f"{r.grpc_cpu_exporter_us_per_mib:>8.0f} | {r.grpc_vs_raw_cpu:>12.0%} | "
+        f"{r.grpc_inplace_cpu_puller_us_per_mib:>15.0f} "
+        f"{r.grpc_inplace_cpu_exporter_us_per_mib:>8.0f} | {r.grpc_inplace_vs_raw_cpu:>10.0%}"
     )
 
 
@@ -419,9 +467,13 @@ def print_table(rows: list[Row], checksum: str) -> None:
     grpc_ratio = statistics.median(r.grpc_vs_raw for r in big or rows)
     paired = statistics.median(r.grpc_vs_raw_paired for r in big or rows)
     cpu = statistics.median(r.grpc_vs_raw_cpu for r in big or rows)
+    ip = statistics.median(r.grpc_inplace_vs_raw for r in big or rows)
+    ip_paired = statistics.median(r.grpc_inplace_vs_raw_paired for r in big or rows)
+    ip_cpu = statistics.median(r.grpc_inplace_vs_raw_cpu for r in big or rows)
     print(
         f"{label}: shm/memcpy {shm:.0%}, in place/memcpy {inplace:.0%} (target >= 50%), "
-        f"grpc/raw grpc {grpc_ratio:.0%} (paired {paired:.0%}, CPU {cpu:.0%}) (target >= 80%)"
+        f"grpc/raw grpc {grpc_ratio:.0%} (paired {paired:.0%}, CPU {cpu:.0%}), "
+        f"grpc ip/raw grpc {ip:.0%} (paired {ip_paired:.0%}, CPU {ip_cpu:.0%}) (target >= 80%)"
     )
 
 

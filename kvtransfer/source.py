@@ -45,8 +45,9 @@ unlinked), from whichever thread ended the lease. The handle says `in_place`; fo
 staged export `on_end` is not kept and the caller may unpin at once. In-place leases
 pin at most `max_in_place_bytes` of blocks together (the decode side's pace now holds
 the exporter's pool, which staging avoided); beyond that, and for caches in ordinary
-memory, the export is staged as before. gRPC pullers of an in-place lease get chunks
-gathered from the cache chunk by chunk and sealed with checksums, as staging does.
+memory, the export is staged as before. gRPC pullers of an in-place lease get each
+chunk checksummed where its blocks lie in the cache and copied once, straight into the
+message (`InPlaceBlocks.messages`), sealed as staged chunks are.
 
 `add_kvtransfer_service(server, source)` registers `pagedserve.v1.KVTransfer` on a
 gRPC server (sync, or grpc.aio with a migration thread pool: the handler is a plain
@@ -74,6 +75,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import numpy as np
 import torch
 
 from pagedserve.common.shm import shared_file_of
@@ -104,10 +106,12 @@ from pagedserve.kvtransfer.wire import (
     encode_header,
     encode_headers,
     frame_kvchunk,
+    frame_kvchunk_parts,
     header_size,
     payload_range,
     plan_chunks,
     seal,
+    seal_parts,
     slow_checksum,
     tensor_view,
 )
@@ -197,6 +201,17 @@ class StagedBlocks:
         )
         return ((c.header_bytes, c.payload) for c in encoded)
 
+    def messages(
+        self,
+        block_ids: Sequence[int] | None = None,
+        layers: tuple[int, int] | None = None,
+        max_chunk_bytes: int | None = None,
+    ) -> Iterator[bytes]:
+        """`chunks` framed as KVChunk messages (PullBlocks); ValueError if invalid.
+        Each message is one copy of its chunk out of the segment: gRPC Python sends only
+        `bytes`."""
+        return (frame_kvchunk(h, p) for h, p in self.chunks(block_ids, layers, max_chunk_bytes))
+
 
 def positions_of(all_ids: Sequence[int], wanted: Sequence[int]) -> list[int]:
     """Index of each wanted block id in `all_ids`; ValueError naming unknown/duplicate ids."""
@@ -239,6 +254,37 @@ class InPlaceBlocks:
         lease); ValueError if the request is invalid. A caller checks `valid()` after
         taking each chunk: a chunk gathered after the lease ended may hold reused blocks.
         """
+        return (
+            (sealed, memoryview(b"".join(parts)))
+            for sealed, parts in self._sealed_parts(block_ids, layers, max_chunk_bytes)
+        )
+
+    def messages(
+        self,
+        block_ids: Sequence[int] | None = None,
+        layers: tuple[int, int] | None = None,
+        max_chunk_bytes: int | None = None,
+    ) -> Iterator[bytes]:
+        """`chunks` framed as KVChunk messages (PullBlocks); ValueError if invalid.
+
+        Each message is built straight from the cache: the chunk's runs of cache rows
+        are checksummed where they lie, then joined into the message, one copy. (It was
+        gather into a chunk buffer, checksum, copy into the message: two copies a chunk,
+        and a fresh, page-faulted buffer each; NOTES.md, 2026-12-02.) Same `valid()`
+        rule as `chunks`."""
+        return (
+            frame_kvchunk_parts(sealed, parts)
+            for sealed, parts in self._sealed_parts(block_ids, layers, max_chunk_bytes)
+        )
+
+    def _sealed_parts(
+        self,
+        block_ids: Sequence[int] | None,
+        layers: tuple[int, int] | None,
+        max_chunk_bytes: int | None,
+    ) -> Iterator[tuple[bytes, list[np.ndarray]]]:
+        """(sealed header, the chunk's runs of cache rows) of each chunk of the requested
+        part, each sealed when asked for; the request is validated at once (ValueError)."""
         lay = self.handle.layout
         ids = self.handle.block_ids if not block_ids else tuple(int(b) for b in block_ids)
         positions_of(self.handle.block_ids, ids)  # membership and duplicates
@@ -254,22 +300,20 @@ class InPlaceBlocks:
             max_chunk_bytes=max_chunk_bytes or self.max_chunk_bytes,
             checksum=self.checksum,
         )
-        return _gather_chunks(self.kv, ids, l0, l1, headers)
+        return _sealed_runs(self.kv, ids, l0, l1, headers)
 
 
-def _gather_chunks(
+def _sealed_runs(
     kv: torch.Tensor, ids: tuple[int, ...], l0: int, l1: int, headers: list[ChunkHeader]
-) -> Iterator[tuple[bytes, memoryview]]:
+) -> Iterator[tuple[bytes, list[np.ndarray]]]:
     """Each chunk of the transfer of blocks `ids`, layers [l0, l1) of the block-major
-    CPU cache `kv`, gathered into its own buffer when asked for, then sealed."""
+    CPU cache `kv`: its header sealed over the chunk's runs of cache rows (`RowMap`: a
+    block over every layer is one run), and those runs, views into the cache."""
     src = unit_rows(kv)
     row_map = RowMap(ids, 2 * (l1 - l0), 2 * kv.shape[1], 2 * l0)
     for h, raw in zip(headers, encode_headers(headers), strict=True):
-        buf = torch.empty((h.unit_count, h.unit_bytes), dtype=torch.uint8).numpy()
-        for a, b, row in row_map.pieces(h.unit_start, h.unit_count):
-            buf[a:b] = src[row : row + b - a]
-        payload = memoryview(buf).cast("B")
-        yield seal(raw, payload)[0], payload
+        parts = [src[row : row + b - a] for a, b, row in row_map.pieces(h.unit_start, h.unit_count)]
+        yield seal_parts(raw, parts)[0], parts
 
 
 class KVSource:
@@ -881,11 +925,12 @@ class KVTransferServicer:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         layers = (request.layers.start, request.layers.end) if request.HasField("layers") else None
         try:
-            chunks = staged.chunks(list(request.block_ids), layers, request.max_chunk_bytes or None)
+            messages = staged.messages(
+                list(request.block_ids), layers, request.max_chunk_bytes or None
+            )
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        for header, payload in chunks:
-            message = frame_kvchunk(header, payload)
+        for message in messages:
             if not staged.valid():  # released and reused while we were sending
                 context.abort(
                     grpc.StatusCode.NOT_FOUND, f"lease {request.lease_id!r} ended during the pull"

@@ -373,8 +373,14 @@ def _validate(h: ChunkHeader) -> None:
 
 def checksum(header_bytes: bytes | memoryview, payload: bytes | memoryview) -> int:
     """The header's kind of checksum over the header minus its checksum field, then the payload."""
+    return checksum_parts(header_bytes, (payload,))
+
+
+def checksum_parts(header_bytes: bytes | memoryview, payload_parts: Sequence) -> int:
+    """`checksum` of a payload given as consecutive parts (any C-contiguous buffers),
+    e.g. a chunk's runs of cache rows, checksummed where they lie (no joined copy)."""
     mv = memoryview(header_bytes)
-    parts = (mv[:_CHECKSUM_OFFSET], mv[_FIXED.size : header_length(mv)], payload)
+    parts = (mv[:_CHECKSUM_OFFSET], mv[_FIXED.size : header_length(mv)], *payload_parts)
     kind = mv[7]
     if kind == CHECKSUM_KINDS["crc32"]:
         crc = 0
@@ -408,7 +414,12 @@ def checksum_kind(name: str | None) -> int:
 
 def seal(header_bytes: bytes, payload: bytes | memoryview) -> tuple[bytes, int]:
     """The header with its checksum field filled in for `payload`, and that checksum."""
-    value = checksum(header_bytes, payload)
+    return seal_parts(header_bytes, (payload,))
+
+
+def seal_parts(header_bytes: bytes, payload_parts: Sequence) -> tuple[bytes, int]:
+    """`seal` for a payload given as consecutive parts (see `checksum_parts`)."""
+    value = checksum_parts(header_bytes, payload_parts)
     sealed = (
         header_bytes[:_CHECKSUM_OFFSET] + struct.pack("<Q", value) + header_bytes[_FIXED.size :]
     )
@@ -873,14 +884,22 @@ def _read_varint(mv: memoryview, pos: int) -> tuple[int, int]:
 
 def frame_kvchunk(header_bytes: bytes | memoryview, payload: bytes | memoryview) -> bytes:
     """Serialize a KVChunk message (one copy of the payload)."""
+    return frame_kvchunk_parts(header_bytes, (payload,))
+
+
+def frame_kvchunk_parts(header_bytes: bytes | memoryview, payload_parts: Sequence) -> bytes:
+    """`frame_kvchunk` for a payload given as consecutive parts (C-contiguous buffers,
+    e.g. numpy rows of a cache): the parts are copied once, straight into the message,
+    so a chunk gathered from scattered blocks needs no contiguous buffer of its own."""
+    payload_len = sum(memoryview(p).nbytes for p in payload_parts)
     return b"".join(
         (
             _TAG_HEADER,
             _varint(len(header_bytes)),
             header_bytes,
             _TAG_PAYLOAD,
-            _varint(len(payload)),
-            payload,
+            _varint(payload_len),
+            *payload_parts,
         )
     )
 

@@ -30,7 +30,7 @@ from pagedserve.kvtransfer.segment import SHM_DIR, list_segments, remove_stale_s
 from pagedserve.kvtransfer.sinks import CacheSink
 from pagedserve.kvtransfer.source import KVSource, StagingFullError, add_kvtransfer_service
 from pagedserve.kvtransfer.transport import GrpcTransport, ShmTransport
-from pagedserve.kvtransfer.wire import KVTransferError, LeaseNotFoundError
+from pagedserve.kvtransfer.wire import KVTransferError, LeaseNotFoundError, frame_kvchunk
 from pagedserve.v1 import kvtransfer_pb2, worker_pb2, worker_pb2_grpc
 
 NUM_BLOCKS, LAYERS, BS, KVH, D = 24, 4, 4, 2, 8
@@ -360,6 +360,31 @@ def test_grpc_pull_of_an_in_place_lease_is_gathered_and_checksummed():
         transport.close()
         server.stop(None).wait()
         source.close()
+        cache.close()
+
+
+@pytest.mark.parametrize("checksum", ["xxh3", "crc32"])
+def test_in_place_messages_are_the_staged_messages_byte_for_byte(checksum):
+    """PullBlocks of an in-place lease frames each chunk straight from the cache's rows
+    (checksummed where they lie, one join): every message must equal the one a staged
+    export of the same blocks sends (gathered into a segment, sealed, framed), for the
+    whole lease and for a part (blocks out of order, a layer range, odd chunk size)."""
+    cache = shm_cache(12)  # units of 256 bytes: chunks of 3 units cut blocks of 8
+    ids = [9, 2, 3, 17, 4]  # 2, 3 adjacent: one run of rows across two blocks
+    try:
+        with KVSource(checksum=checksum, max_chunk_bytes=800) as source:
+            in_place = source.export(cache.kv, ids, num_tokens=17, request_id="r", on_end=Ends())
+            staged = source.export(cache.kv, ids, num_tokens=17, request_id="r")
+            assert in_place.in_place and not staged.in_place
+            a, b = source.get(in_place.lease_id), source.get(staged.lease_id)
+            for args in [(), ([17, 9, 3], (1, 3), 1300), (None, (2, 4), 512)]:
+                got, want = list(a.messages(*args)), list(b.messages(*args))
+                assert len(got) > 1 and got == want
+                # and what `chunks` gives is the same chunk, unframed
+                assert [frame_kvchunk(h, p) for h, p in a.chunks(*args)] == want
+            with pytest.raises(ValueError, match="not in the lease"):
+                a.messages([5])
+    finally:
         cache.close()
 
 

@@ -62,5 +62,9 @@ def test_one_run_end_to_end(tmp_path, capsys):
     ]
     assert all(us > 0 for us in cpu)  # every stream costs both processes some CPU
     assert row["grpc_vs_raw_cpu"] == pytest.approx((cpu[2] + cpu[3]) / (cpu[0] + cpu[1]))
+    # the pull of an in-place lease (a default worker's exports) is measured beside it
+    ip = [row[f"grpc_inplace_cpu_{side}_us_per_mib"] for side in ("puller", "exporter")]
+    assert all(us > 0 for us in ip) and row["grpc_inplace_vs_raw_paired"] > 0
+    assert row["grpc_inplace_vs_raw_cpu"] == pytest.approx((cpu[2] + cpu[3]) / sum(ip))
     printed = capsys.readouterr().out
-    assert "paired" in printed and "cpu raw/grpc" in printed
+    assert "paired" in printed and "cpu raw/grpc" in printed and "cpu raw/ip" in printed

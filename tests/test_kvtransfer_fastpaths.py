@@ -17,10 +17,14 @@ from pagedserve.kvtransfer.wire import (
     ChunkAssembler,
     KVTransferError,
     TransferCancelled,
+    checksum,
     decode_header,
     decode_sibling_header,
     encode_chunks,
     frame_kvchunk,
+    frame_kvchunk_parts,
+    seal,
+    seal_parts,
     unframe_kvchunk,
 )
 from pagedserve.v1 import kvtransfer_pb2
@@ -127,6 +131,30 @@ def test_unframe_direct_read_matches_the_field_loop():
     # a byte after the payload: not the direct layout; the loop refuses it as before
     with pytest.raises(KVTransferError, match="malformed KVChunk"):
         unframe_kvchunk(framed + b"\x00")
+
+
+@pytest.mark.parametrize("kind", ["xxh3", "crc32"])
+def test_parts_helpers_equal_the_joined_payload(kind):
+    """`seal_parts` / `frame_kvchunk_parts` over a payload in pieces (numpy rows, as the
+    exporter's in-place path passes a cache's runs) give what `seal` / `frame_kvchunk`
+    give for the pieces joined: same checksum, same message bytes, and the message
+    parses back (with its protobuf class too) to that header and payload."""
+    rows = make_cache(3).view(-1).view(torch.uint8).view(-1, BS * KVH * HD * 2).numpy()
+    pieces = [rows[7:9], rows[20:21], rows[2:6]]  # three runs, out of order
+    joined = b"".join(pieces)
+    # any header of the format (seal overwrites its checksum field)
+    header = list(
+        encode_chunks(make_cache()[:1].contiguous(), block_ids=[3], num_tokens=BS, checksum=kind)
+    )[0].header_bytes
+    assert seal_parts(header, pieces) == seal(header, joined)
+    sealed, value = seal_parts(header, pieces)
+    assert value == checksum(sealed, joined) != 0
+    message = frame_kvchunk_parts(sealed, pieces)
+    assert message == frame_kvchunk(sealed, joined)
+    h, p = unframe_kvchunk(message)
+    assert (bytes(h), bytes(p)) == (sealed, joined)
+    parsed = kvtransfer_pb2.KVChunk.FromString(message)
+    assert (parsed.header, parsed.payload) == (sealed, joined)
 
 
 class TensorsOnly:

@@ -201,17 +201,6 @@ class StagedBlocks:
         )
         return ((c.header_bytes, c.payload) for c in encoded)
 
-    def messages(
-        self,
-        block_ids: Sequence[int] | None = None,
-        layers: tuple[int, int] | None = None,
-        max_chunk_bytes: int | None = None,
-    ) -> Iterator[bytes]:
-        """`chunks` framed as KVChunk messages (PullBlocks); ValueError if invalid.
-        Each message is one copy of its chunk out of the segment: gRPC Python sends only
-        `bytes`."""
-        return (frame_kvchunk(h, p) for h, p in self.chunks(block_ids, layers, max_chunk_bytes))
-
 
 def positions_of(all_ids: Sequence[int], wanted: Sequence[int]) -> list[int]:
     """Index of each wanted block id in `all_ids`; ValueError naming unknown/duplicate ids."""
@@ -925,9 +914,11 @@ class KVTransferServicer:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         layers = (request.layers.start, request.layers.end) if request.HasField("layers") else None
         try:
-            messages = staged.messages(
-                list(request.block_ids), layers, request.max_chunk_bytes or None
-            )
+            part = (list(request.block_ids), layers, request.max_chunk_bytes or None)
+            if isinstance(staged, InPlaceBlocks):  # framed straight from the cache
+                messages = staged.messages(*part)
+            else:  # one copy of each chunk out of the segment: gRPC Python sends `bytes`
+                messages = (frame_kvchunk(h, p) for h, p in staged.chunks(*part))
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         for message in messages:

@@ -118,6 +118,27 @@ def remove_stale(shm_dir: Path, name: re.Pattern[str]) -> list[str]:
     return removed
 
 
+# pagedserve's files in a shm dir, group 1 the pid of the process that made them: a KV
+# cache (common/core/kv_cache.py) and a KV segment or in-place descriptor
+# (kvtransfer/segment.py). Here, so that a sweep of a node (`remove_stale_kv_files_in`,
+# run by the launcher on every Ray node) imports neither torch nor those modules.
+KV_CACHE_FILE_PREFIX = "pagedserve-kvcache-"
+KV_CACHE_FILE = re.compile(rf"{KV_CACHE_FILE_PREFIX}(\d{{1,10}})-[0-9a-f]{{16}}")
+KV_SEGMENT_PREFIX = "pagedserve-kv-"
+KV_SEGMENT_FILE = re.compile(rf"^{KV_SEGMENT_PREFIX}(\d+)-[A-Za-z0-9_.-]+(\.tmp)?$")
+
+
+def remove_stale_kv_files_in(shm_dirs: list[str]) -> list[str]:
+    """Unlink the KV cache files and KV segments of dead processes in each of `shm_dirs`
+    (on this host); returns their paths. What a worker that was killed, or crashed,
+    leaves behind: a cache file holds tmpfs memory the size of its KV cache until then."""
+    removed = []
+    for d in dict.fromkeys(shm_dirs):
+        for name in (KV_CACHE_FILE, KV_SEGMENT_FILE):
+            removed += [str(Path(d) / n) for n in remove_stale(Path(d), name)]
+    return sorted(removed)
+
+
 def alive(pid: int) -> bool:
     """True while process `pid` exists (another user's process counts)."""
     try:

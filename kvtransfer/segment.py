@@ -51,7 +51,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # create_shm, free_bytes: re-exported (this module's names before common/shm.py existed)
-from pagedserve.common.shm import PAGE, SHM_DIR, remove_stale
+from pagedserve.common.shm import (
+    KV_CACHE_FILE,
+    KV_SEGMENT_FILE,
+    KV_SEGMENT_PREFIX,
+    PAGE,
+    SHM_DIR,
+    remove_stale,
+)
 from pagedserve.common.shm import create_shm as create_shm
 from pagedserve.common.shm import free_bytes as free_bytes
 from pagedserve.kvtransfer.wire import (
@@ -67,11 +74,11 @@ SEGMENT_VERSION = 1
 SEGMENT_HEADER_BYTES = 256
 MAX_LEASE_ID_BYTES = 128
 FLAG_IN_PLACE = 1  # the segment header's flags: an in-place descriptor (module docstring)
-SEGMENT_PREFIX = "pagedserve-kv-"
+SEGMENT_PREFIX = KV_SEGMENT_PREFIX
 # magic, version, flags, chunk count, table length, payload offset, payload length,
 # total length, lease id length; then the lease id (<= 128 bytes)
 _SEGMENT = struct.Struct("<8sHHIQQQQH")
-_NAME = re.compile(rf"^{SEGMENT_PREFIX}(\d+)-[A-Za-z0-9_.-]+(\.tmp)?$")
+_NAME = KV_SEGMENT_FILE  # group 1: the exporter's pid
 
 
 # The naming rule of leases and of their segments, one for both sides: the exporter
@@ -233,9 +240,9 @@ def parse_segment(buf: memoryview) -> SegmentView:
 # The cache reference of an in-place descriptor: where block 0 starts in the cache file,
 # the cache's block count, one block's bytes, the file name's length; then the name.
 _CACHE_REF = struct.Struct("<QQQH")
-# A KV cache file (common/core/kv_cache.py CACHE_FILE_NAME; kvtransfer may not import
-# the engine core): group 1 the pid of the process that made it.
-CACHE_FILE_NAME = re.compile(r"pagedserve-kvcache-(\d{1,10})-[0-9a-f]{16}")
+# A KV cache file (common/core/kv_cache.py's name, defined in common/shm.py): group 1
+# the pid of the process that made it.
+CACHE_FILE_NAME = KV_CACHE_FILE
 
 
 @dataclass(frozen=True)

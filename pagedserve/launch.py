@@ -42,18 +42,20 @@ blocks are already back. It needs a Ray cluster that outlives the launcher
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pagedserve import __version__
 from pagedserve.cli import DEFAULT_MAX_TOKENS
+from pagedserve.common import shm
 from pagedserve.common.api.limits import ConfigError
 from pagedserve.common.api.settings import LAUNCHER_LINKS, ArgumentParser, Root, Schema
 from pagedserve.common.core.config import EngineConfig
@@ -307,6 +309,15 @@ class Cluster:
             **{**spec.worker_options, "internal_tls": spec.internal_tls},  # linked, as above
         )
 
+    def kv_shm_dirs(self) -> list[str]:
+        """Where this cluster's workers keep their KV cache files and segments (their
+        kv_shm_dir, and the engine's own cache dir when the config names one)."""
+        defaults = WorkerConfig.__dataclass_fields__["kv_shm_dir"].default
+        dirs = [str(self.spec.worker_options.get("kv_shm_dir", defaults))]
+        if self.spec.engine.cache.shm_dir is not None:
+            dirs.append(str(self.spec.engine.cache.shm_dir))
+        return list(dict.fromkeys(dirs))
+
     def _spawn(self, pool: str, index: int) -> Any:
         import ray
 
@@ -427,18 +438,22 @@ class Cluster:
                     joining.append(actors[-1])
                     result.started.append(f"{pool}-{len(actors) - 1}")
             drains = [(wid, a, a.drain_and_stop.remote(timeout)) for wid, a in leaving]
+            unclean = False  # a worker killed before it stopped: its KV files are left
             for wid, actor, ref in drains:
                 try:
                     emptied = ray.get(ref, timeout=timeout + 30)
                 except Exception as e:  # dead already, or stuck past its own timeout
                     logger.warning("worker %s did not drain cleanly: %s", wid, e)
                     emptied = False
+                    unclean = True
                 ray.kill(actor, no_restart=True)
                 self._port_offsets.pop(wid, None)
                 result.stopped.append(wid)
                 if not emptied:
                     result.cut.append(wid)
             _wait_gone([actor for _, actor in leaving], 10.0)  # "stopped" means gone
+            if unclean:
+                sweep_stale_kv_files(self.kv_shm_dirs())
             for actor in joining:  # loading the model: as long as a start may take
                 self._check_attached(ray.get(actor.describe.remote(), timeout=600))
             if joining:
@@ -485,7 +500,7 @@ class Cluster:
             if self.prefill or self.decode:
                 progress("leaving the detached workers running")
         else:
-            stop_workers(self.prefill + self.decode)
+            stop_workers(self.prefill + self.decode, shm_dirs=self.kv_shm_dirs())
         self.prefill, self.decode = [], []
         if self.router is not None:
             self.router.stop()
@@ -521,15 +536,17 @@ def init_local_ray(**kwargs: Any) -> Any:
         return ray.init(address="local", **kwargs)
 
 
-def stop_workers(actors: list[Any], timeout_s: float = 10.0) -> None:
+def stop_workers(actors: list[Any], timeout_s: float = 10.0, shm_dirs: Sequence[str] = ()) -> None:
     """Stops worker actors for good: Goodbye to the registries, then no restart.
 
     Every actor is asked at once and all get one `timeout_s` together, not one each:
     an actor still in its constructor (a stop signal while the model loads) runs
     `stop` only once that returns, and waiting for those one after another made a
     launcher stopped during start-up take ~10 s per such worker to exit. An actor that
-    has not stopped by then is killed as it is (its KV cache file, if any, is removed
-    by the next worker that starts on its host).
+    has not stopped by then is killed as it is; so is one whose stop failed. Such a
+    worker never closed its KV cache file (tmpfs memory the size of its cache): when
+    any did, its dead files in `shm_dirs` (the workers' kv_shm_dir) are swept on every
+    node once it is gone (`sweep_stale_kv_files`).
 
     Returns once every actor is gone (or after another `timeout_s`): `ray.kill` only
     asks the GCS, and until that reaches the actor's process a call made right after
@@ -538,18 +555,77 @@ def stop_workers(actors: list[Any], timeout_s: float = 10.0) -> None:
     import ray
 
     refs = []
+    unclean = 0  # stopped otherwise than by their own `stop`: their files may be left
     for actor in actors:
         try:
             refs.append(actor.stop.remote())
         except Exception as e:  # already dead: nothing to stop
             logger.debug("stopping an actor failed: %s", e)
+            unclean += 1
     if refs:
-        _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        done, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if late:
             logger.warning("%d worker(s) did not stop within %g s: killed", len(late), timeout_s)
+        unclean += len(late)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as e:  # died before or during its stop
+                logger.debug("a worker's stop failed: %s", e)
+                unclean += 1
     for actor in actors:
         ray.kill(actor, no_restart=True)
     _wait_gone(actors, timeout_s)
+    if unclean and shm_dirs:
+        sweep_stale_kv_files(shm_dirs)
+
+
+def sweep_stale_kv_files(shm_dirs: Sequence[str], timeout_s: float = 30.0) -> list[str]:
+    """Unlinks, on every live node of the Ray cluster, the KV cache files and KV
+    segments in `shm_dirs` whose process is gone; returns their paths.
+
+    A worker killed before it closed its KV cache (it did not stop in time, or crashed)
+    leaves the cache's /dev/shm file behind: tmpfs memory the size of its KV cache,
+    otherwise held until the next worker starts on that node (a worker sweeps its
+    kv_shm_dir at start), and for good on a node where none does. Only files of dead
+    processes are touched (`shm.remove_stale_kv_files_in`), so the live workers of other
+    clusters sharing a node keep theirs. Best effort: a node that does not answer
+    within `timeout_s` is logged, never raised (a stop must not fail on a sweep).
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    dirs = [str(d) for d in dict.fromkeys(shm_dirs)]
+    # A task on each node (num_cpus=0: runs beside busy workers), pickled by reference
+    # to common/shm.py: standard library only, so the task does not load torch.
+    sweep = ray.remote(num_cpus=0, max_retries=0)(shm.remove_stale_kv_files_in)
+    refs = {}
+    for node in ray.nodes():
+        if node.get("Alive"):
+            strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+            ref = sweep.options(scheduling_strategy=strategy).remote(dirs)
+            refs[ref] = node.get("NodeManagerAddress") or node["NodeID"]
+    done, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    removed: list[str] = []
+    for ref in done:
+        try:
+            paths = ray.get(ref)
+        except Exception as e:
+            logger.warning("sweeping KV files on node %s failed: %s", refs[ref], e)
+            continue
+        if paths:
+            logger.warning(
+                "removed %d KV file(s) of dead workers on node %s: %s",
+                len(paths),
+                refs[ref],
+                ", ".join(paths),
+            )
+        removed += paths
+    for ref in late:
+        logger.warning("node %s did not sweep its KV files within %g s", refs[ref], timeout_s)
+        with contextlib.suppress(Exception):
+            ray.cancel(ref)
+    return sorted(removed)
 
 
 def _wait_gone(actors: list[Any], timeout_s: float) -> None:
@@ -770,6 +846,12 @@ def down_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pagedserve down", description=down_main.__doc__)
     p.add_argument("--ray-address", default="auto", help="the Ray cluster the workers run in")
     p.add_argument("--ray-namespace", default=ClusterSpec.ray_namespace)
+    p.add_argument(
+        "--kv-shm-dir",
+        action="append",
+        help="the workers' kv_shm_dir, where a worker killed on the way out leaves its KV "
+        f"files (swept on every node; repeat for several; default {shm.SHM_DIR})",
+    )
     args = p.parse_args(argv)
     import ray
 
@@ -780,7 +862,8 @@ def down_main(argv: list[str] | None = None) -> int:
             for n in ray.util.list_named_actors(all_namespaces=False)
             if n.startswith(ACTOR_PREFIX)
         )
-        stop_workers([ray.get_actor(n) for n in names])
+        dirs = args.kv_shm_dir or [str(shm.SHM_DIR)]
+        stop_workers([ray.get_actor(n) for n in names], shm_dirs=dirs)
     finally:
         ray.shutdown()
     print(f"stopped {len(names)} worker(s){': ' if names else ''}{', '.join(names)}", flush=True)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import secrets
 import weakref
 from contextlib import suppress
@@ -54,9 +53,9 @@ from pagedserve.common import shm
 from pagedserve.common.api.model_config import ModelSpec
 
 logger = logging.getLogger(__name__)
-CACHE_FILE_PREFIX = "pagedserve-kvcache-"
+CACHE_FILE_PREFIX = shm.KV_CACHE_FILE_PREFIX
 # group 1: the creating process's pid; then 16 hex digits (several caches per process)
-CACHE_FILE_NAME = re.compile(rf"{CACHE_FILE_PREFIX}(\d{{1,10}})-[0-9a-f]{{16}}")
+CACHE_FILE_NAME = shm.KV_CACHE_FILE
 
 
 class KVCache:

@@ -395,9 +395,8 @@ class PagedCausalLM(nn.Module):
         self.lm_head: nn.Parameter | None = None
         if not spec.tie_word_embeddings or device.type == "cpu":
             self.lm_head = _param(spec.hidden_size, spec.vocab_size, **p)
-        self.lm_head_packed: torch.Tensor | mkl_pack.PackedMatrix | None = (
-            None  # see `prepack_weights`
-        )
+        # the LM head's packed copy, see `prepack_weights`
+        self.lm_head_packed: torch.Tensor | mkl_pack.PackedMatrix | None = None
         self.ops: ctypes.CDLL | None = None  # the fused CPU kernels; see `use_fused_ops`
         self.use_fused_ops()
         self.register_buffer("inv_freq", rope_inv_freq(spec).to(device), persistent=False)

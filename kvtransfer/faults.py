@@ -17,6 +17,13 @@ It is consulted at three points, each a one-line hook:
   Prefill / Decode RPC (prefill_worker/, decode_worker/servicer.py);
 - `fault_point("Decode.step", worker_id, address)`: before each DecodeStep a Decode
   stream yields.
+- `fault_step(worker_id, address)`: after each engine step that ran requests, once
+  its outputs went to their streams (common/core/engine_loop.py, wired per worker in
+  common/runtime/worker.py). `delay_rpc=Engine.step:MS` makes every step that much
+  slower (the test suite's slow mode, README "Development"). A gate on ENGINE_STEP
+  (`skip=n-1`: after the n-th step) holds the engine *without blocking its loop*: it
+  keeps running commands (reads, aborts, new requests) but steps nothing until
+  `release()`. A request in flight there stays in flight, whatever the machine's speed.
 
 Besides delays, a test can hold a point with a `Gate` (`injector.pause(point)`):
 the first thread that reaches it (after `skip` others passed) blocks until
@@ -36,12 +43,14 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
 ENV = "PAGEDSERVE_FAULTS"
 CHUNK = "chunk"  # the point name of the chunk hook (for pause())
+ENGINE_STEP = "Engine.step"  # the point name of the engine-step hook
 _PROBABILITIES = ("drop_chunk", "corrupt_chunk", "truncate_chunk")
 
 
@@ -123,6 +132,24 @@ class Gate:
         if not self._open.wait(self.max_hold_s):
             logger.warning("fault gate at %s held %.0f s: released", self.point, self.max_hold_s)
 
+    def _hold_later(self, where: tuple[str, ...]) -> Callable[[], bool]:
+        """Marks the gate reached; returns `released()` for a caller that polls it
+        instead of blocking (the engine loop). After `max_hold_s` it reads True."""
+        self.where = where
+        self.reached.set()
+        end = time.monotonic() + self.max_hold_s
+
+        def released() -> bool:
+            if self._open.is_set():
+                return True
+            if time.monotonic() < end:
+                return False
+            logger.warning("fault gate at %s held %.0f s: released", self.point, self.max_hold_s)
+            self._open.set()
+            return True
+
+        return released
+
 
 class FaultInjector:
     """Applies a FaultSpec at the hook points, plus the gates tests set."""
@@ -136,11 +163,18 @@ class FaultInjector:
         self._gates: list[Gate] = []
 
     def pause(self, point: str, only: str | None = None, skip: int = 0) -> Gate:
-        """A gate on `point` ("Prefill", "Decode", "Decode.step" or CHUNK)."""
+        """A gate on `point` ("Prefill", "Decode", "Decode.step", CHUNK or ENGINE_STEP)."""
         gate = Gate(point, only, skip, self.max_hold_s)
         with self._lock:
             self._gates.append(gate)
         return gate
+
+    def withdraw(self, gate: Gate) -> None:
+        """Releases `gate`, and takes it off its point if nothing reached it yet."""
+        with self._lock:
+            if gate in self._gates:
+                self._gates.remove(gate)
+        gate.release()
 
     def release_all(self) -> None:
         with self._lock:
@@ -157,6 +191,15 @@ class FaultInjector:
         gate = self._take_gate(point, where)
         if gate is not None:
             gate._hold(where)
+
+    def step(self, where: tuple[str, ...]) -> Callable[[], bool] | None:
+        """The engine-step hook: delay per the spec; a gate set on ENGINE_STEP is
+        returned as `released()`, for the loop to poll (it must not block)."""
+        ms = self.spec.delay_rpc.get(ENGINE_STEP, 0.0) if self.spec.applies(where) else 0.0
+        if ms:
+            time.sleep(ms / 1000)  # no counter: a step hook runs often, and unlocked
+        gate = self._take_gate(ENGINE_STEP, where)
+        return None if gate is None else gate._hold_later(where)
 
     def chunk(self, message: bytes, where: tuple[str, ...]) -> tuple[bytes, ...]:
         """The messages to send in place of one framed chunk (none: dropped)."""
@@ -223,6 +266,14 @@ def fault_point(point: str, *where: str) -> None:
     """Hook at an RPC entry or a stream step; a no-op unless an injector is installed."""
     if _active is not None:
         _active.point(point, where)
+
+
+def fault_step(*where: str) -> Callable[[], bool] | None:
+    """Hook after an engine step: None to go on, or `released()`: step again once it is
+    True, running commands meanwhile (EngineLoop.step_gate). A no-op unless installed."""
+    if _active is None:
+        return None
+    return _active.step(where)
 
 
 def fault_chunk(message: bytes, *where: str) -> tuple[bytes, ...]:

@@ -13,9 +13,10 @@ a test module with `from router_fixtures import cluster`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -23,6 +24,8 @@ from builders import tiny_checkpoint
 
 from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedserve.common.runtime.worker import WorkerConfig, WorkerRuntime
+from pagedserve.kvtransfer import faults
+from pagedserve.kvtransfer.faults import ENGINE_STEP, FaultInjector, Gate
 from pagedserve.router.client import Client
 from pagedserve.router.config import RouterConfig
 from pagedserve.router.server import RouterHandle, start_router_in_thread
@@ -49,6 +52,54 @@ def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condi
         if time.monotonic() > end:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.02)
+
+
+@dataclass
+class HeldEngines:
+    """The gates of `engine_held`, one per worker."""
+
+    gates: dict[str, Gate]
+
+    def wait(self, timeout: float = 10.0) -> str:
+        """Until one of the engines is held; returns its worker id."""
+        wait_for(lambda: self.held() is not None, timeout, "an engine to be held")
+        return self.held()  # type: ignore[return-value]
+
+    def held(self) -> str | None:
+        return next((w for w, g in self.gates.items() if g.reached.is_set()), None)
+
+
+@contextlib.contextmanager
+def engine_held(workers: Iterable[WorkerRuntime], after_steps: int = 1) -> Iterator[HeldEngines]:
+    """Holds each of these workers' engines once it ran `after_steps` steps (with requests).
+
+    A held engine steps nothing until the block exits, but its loop still runs
+    commands (reads, aborts, new requests): a request in flight there stays in flight,
+    its first tokens streamed, whatever the machine's speed (kvtransfer/faults.py
+    ENGINE_STEP). Tests that need a request still running at some point hold it this
+    way, never by betting on a time. Uses the installed fault injector (the slow
+    mode's, README "Development") or installs one for the block.
+    """
+    injector = faults.active()
+    own = injector is None
+    if own:
+        injector = FaultInjector()
+        faults.install(injector)
+    held = HeldEngines(
+        {
+            w.config.worker_id: injector.pause(
+                ENGINE_STEP, only=w.config.worker_id, skip=after_steps - 1
+            )
+            for w in workers
+        }
+    )
+    try:
+        yield held
+    finally:
+        for gate in held.gates.values():
+            injector.withdraw(gate)
+        if own and faults.active() is injector:
+            faults.install(None)
 
 
 @dataclass

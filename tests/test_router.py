@@ -20,7 +20,13 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from router_fixtures import MAX_MODEL_LEN, ROUTER_CONFIG, cluster, wait_for  # noqa: F401
+from router_fixtures import (  # noqa: F401
+    MAX_MODEL_LEN,
+    ROUTER_CONFIG,
+    cluster,
+    engine_held,
+    wait_for,
+)
 
 from pagedserve.common.api.outputs import FinishReason
 from pagedserve.common.api.sampling_params import InvalidRequestError, SamplingParams
@@ -189,29 +195,52 @@ def decode_tokens(cluster) -> int:  # noqa: F811
     return sum(w.loop.call(lambda e: e.stats().decode_tokens) for w in cluster.pool("decode"))
 
 
+def in_engine(workers, request_id: str) -> bool:
+    return any(w.loop.call(lambda e: request_id in e.requests) for w in workers)
+
+
 def test_client_cancel_mid_stream_aborts_on_the_decode_worker(cluster, client):  # noqa: F811
     before = decode_tokens(cluster)
-    call = client.generate(
-        token_ids=ids(7000, 20), request_id="cancel-me", max_tokens=230, **GREEDY
-    )
-    for i, _ in enumerate(call):
-        if i == 2:
-            break
-    assert any(w.loop.call(lambda e: "cancel-me" in e.requests) for w in cluster.pool("decode"))
-    call.cancel()
+    decode = cluster.pool("decode")
+    # Held after 3 decode steps: the request is mid-stream when cancelled, on any machine.
+    with engine_held(decode, after_steps=3) as held:
+        call = client.generate(
+            token_ids=ids(7000, 20), request_id="cancel-me", max_tokens=230, **GREEDY
+        )
+        for i, _ in enumerate(call):
+            if i == 2:
+                break
+        held.wait()
+        assert in_engine(decode, "cancel-me")
+        call.cancel()
+        # Gone while the engine is held: aborted by the cancel, not run to its end.
+        wait_for(lambda: not in_engine(cluster.workers.values(), "cancel-me"), what="abort")
     cluster.wait_quiescent()
-    assert not any(
-        w.loop.call(lambda e: "cancel-me" in e.requests) for w in cluster.workers.values()
-    )
     assert decode_tokens(cluster) - before < 230  # stopped early, not run to the end
     wait_for(lambda: cluster.router.call(lambda r: r.active_requests) == set(), what="router")
 
 
+# Only has to outlast the request's way to its held step (milliseconds; held.wait()
+# checks it got there), not any generation: the deadline passes while it is held.
+DEADLINE_S = 1.0
+
+
 def test_deadline_is_propagated(cluster, client):  # noqa: F811
     before = decode_tokens(cluster)
-    with pytest.raises(grpc.RpcError) as err:
-        client.collect(token_ids=ids(7100, 20), max_tokens=230, timeout=0.15, **GREEDY)
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    decode = cluster.pool("decode")
+    with engine_held(decode, after_steps=2) as held:
+        with pytest.raises(grpc.RpcError) as err:
+            client.collect(
+                token_ids=ids(7100, 20),
+                request_id="deadline-me",
+                max_tokens=230,
+                timeout=DEADLINE_S,
+                **GREEDY,
+            )
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        held.wait(0)  # it was on a decode worker, held there, when the deadline passed
+        # The worker learnt of the deadline and aborted it: the engine never ran it out.
+        wait_for(lambda: not in_engine(decode, "deadline-me"), what="the worker to abort it")
     cluster.wait_quiescent()
     assert decode_tokens(cluster) - before < 230
 
@@ -296,11 +325,11 @@ def test_dead_decode_worker_before_streaming_retries_elsewhere(cluster, client, 
 
 
 def test_decode_worker_dying_mid_stream_ends_with_unavailable(cluster, client):  # noqa: F811
-    cluster.add_worker("d-dying", "decode")
-    call = client.generate(token_ids=ids(9600, 20), max_tokens=230, **GREEDY)
+    dying = cluster.add_worker("d-dying", "decode")
     got = 0
-    with pytest.raises(grpc.RpcError) as err:
-        for _ in call:
+    # Held after 3 steps: it dies mid-stream, not after streaming all 230 tokens.
+    with engine_held([dying], after_steps=3), pytest.raises(grpc.RpcError) as err:
+        for _ in client.generate(token_ids=ids(9600, 20), max_tokens=230, **GREEDY):
             got += 1
             if got == 3:
                 cluster.crash("d-dying")
@@ -403,18 +432,22 @@ def test_overload_is_resource_exhausted_at_once(cluster):  # noqa: F811
         register_by_heartbeat(
             small.internal_address, [cluster.workers["p0"], cluster.workers["d0"]]
         )
-        held = c.generate(token_ids=ids(9700, 20), request_id="held", max_tokens=230, **GREEDY)
-        next(held)  # in flight now
-        with pytest.raises(grpc.RpcError) as err:
-            c.collect(token_ids=ids(9800, 20), request_id="held", max_tokens=4, **GREEDY)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "request_id 'held' is already in flight" in err.value.details()
-        with pytest.raises(grpc.RpcError) as err:
-            c.collect(token_ids=ids(9800, 20), max_tokens=4, **GREEDY)
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "at capacity (1 requests running, 0 queued" in err.value.details()
-        held.cancel()
-        wait_for(lambda: small.call(lambda r: r.admission.inflight) == 0, what="slot release")
+        # d0 held after its first step: "held" stays in flight, on any machine.
+        with engine_held([cluster.workers["d0"]]):
+            held = c.generate(
+                token_ids=ids(9700, 20), request_id="held", max_tokens=230, **GREEDY
+            )
+            next(held)  # in flight now
+            with pytest.raises(grpc.RpcError) as err:
+                c.collect(token_ids=ids(9800, 20), request_id="held", max_tokens=4, **GREEDY)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "request_id 'held' is already in flight" in err.value.details()
+            with pytest.raises(grpc.RpcError) as err:
+                c.collect(token_ids=ids(9800, 20), max_tokens=4, **GREEDY)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "at capacity (1 requests running, 0 queued" in err.value.details()
+            held.cancel()
+            wait_for(lambda: small.call(lambda r: r.admission.inflight) == 0, what="slot release")
         (got,) = c.collect(token_ids=ids(9800, 20), max_tokens=4, **GREEDY)
         assert got.usage.completion_tokens == 4
         assert small.call(lambda r: r.admission.rejected_total) == 1

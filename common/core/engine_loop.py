@@ -140,6 +140,13 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.step_hooks: list[Callable[[LLMEngine], None]] = []  # run after every step
+        # Tests' fault injection (kvtransfer/faults.py fault_step, wired by the worker
+        # runtime): called after every step that ran requests; it may sleep (a slow
+        # engine) or return `released()`: until that is True the loop steps nothing but
+        # still runs commands, so a request in flight stays in flight and can be read,
+        # aborted or timed out meanwhile.
+        self.step_gate: Callable[[], Callable[[], bool] | None] | None = None
+        self._held: Callable[[], bool] | None = None
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -255,6 +262,11 @@ class EngineLoop:
                 idle = True
                 self._after_step()
                 continue
+            if self._held is not None:
+                if not self._held():
+                    idle = True  # commands only, polled every 50 ms
+                    continue
+                self._held = None
             try:
                 outputs = self.engine.step()
             except Exception as e:
@@ -273,6 +285,8 @@ class EngineLoop:
                 stream.put(out)
                 if out.finished:
                     del self._streams[out.request_id]
+            if self.step_gate is not None and not idle:
+                self._held = self.step_gate()
             self._after_step()
 
     def _after_step(self) -> None:

@@ -44,6 +44,7 @@ from pagedserve.common.runtime.tls import (
     internal_channel_credentials,
     internal_server_credentials,
 )
+from pagedserve.kvtransfer import faults
 from pagedserve.kvtransfer.handle import KVLayout, local_host_id
 from pagedserve.kvtransfer.segment import SHM_DIR, free_bytes, remove_stale_segments
 from pagedserve.kvtransfer.source import KVSource, add_kvtransfer_service
@@ -197,6 +198,8 @@ class WorkerRuntime:
             _remove_stale(remove_stale_cache_files, Path(engine_config.cache.shm_dir))
         self.engine = LLMEngine(engine_config, loaded)
         self.loop = EngineLoop(self.engine, name=f"engine-{config.worker_id}")
+        # A no-op unless a test installed a fault injector (kvtransfer/faults.py).
+        self.loop.step_gate = lambda: faults.fault_step(config.worker_id, self.address)
         # One thread per open call, at most max_rpc_threads; calls beyond that are
         # answered RESOURCE_EXHAUSTED by gRPC at once instead of queueing without
         # bound (the router places them on another worker).

@@ -37,6 +37,7 @@ from pagedserve.common.core.llm import LLM
 from pagedserve.common.runtime.leases import LeaseReleaser
 from pagedserve.common.runtime.protocol import sampling_to_pb
 from pagedserve.common.runtime.worker import WorkerConfig, WorkerRuntime
+from pagedserve.kvtransfer import faults
 from pagedserve.kvtransfer.handle import ExportedKV
 from pagedserve.kvtransfer.segment import segment_name
 from pagedserve.kvtransfer.source import SERVICE_NAME
@@ -432,6 +433,33 @@ def test_call_abandoned_while_running_is_undone(engine):
 def test_call_that_finished_returns_its_result(engine):
     with loop_of(engine) as loop:
         assert loop.call(lambda e: 7, timeout=5, on_abandon=lambda e, r: None) == 7
+
+
+def test_a_held_engine_runs_commands_but_steps_nothing_until_released(engine):
+    """The fault injector's ENGINE_STEP gate (what tests/router_fixtures.engine_held
+    sets): after the n-th step the loop steps nothing, yet reads and aborts still run."""
+    injector = faults.FaultInjector()
+    previous = faults.install(injector)
+    gate = injector.pause(faults.ENGINE_STEP, only="w", skip=2)  # after the 3rd step
+    try:
+        with loop_of(engine) as loop:
+            loop.step_gate = lambda: faults.fault_step("w")
+            add = lambda e: e.add_request("r", prompt_token_ids=prompt(5, 20), params=greedy(30))  # noqa: E731
+            stream = loop.submit("r", add)
+            assert gate.wait() == ("w",)
+            got = [len(stream.get(timeout=10).samples[0].token_ids) for _ in range(3)]
+            assert got == [1, 1, 1]  # one token a step, then held
+            generated = lambda e: len(e.requests["r"].seqs[0].output_token_ids)  # noqa: E731
+            assert loop.call(generated) == 3  # a command runs while held
+            assert stream._queue.empty()  # and no step ran: nothing more came out
+            loop.submit("s", lambda e: e.add_request("s", prompt_token_ids=[5], params=greedy(2)))
+            assert loop.call(generated) == 3  # a new request does not start a step either
+            gate.release()
+            assert sum(len(o.samples[0].token_ids) for o in stream) == 27  # the rest
+            loop.abort("s")
+            loop.call(lambda e: None)
+    finally:
+        faults.install(previous)
 
 
 @pytest.mark.parametrize("when", ["queued", "running"])

@@ -434,9 +434,7 @@ def test_overload_is_resource_exhausted_at_once(cluster):  # noqa: F811
         )
         # d0 held after its first step: "held" stays in flight, on any machine.
         with engine_held([cluster.workers["d0"]]):
-            held = c.generate(
-                token_ids=ids(9700, 20), request_id="held", max_tokens=230, **GREEDY
-            )
+            held = c.generate(token_ids=ids(9700, 20), request_id="held", max_tokens=230, **GREEDY)
             next(held)  # in flight now
             with pytest.raises(grpc.RpcError) as err:
                 c.collect(token_ids=ids(9800, 20), request_id="held", max_tokens=4, **GREEDY)

@@ -16,7 +16,7 @@ import urllib.request
 
 import openai
 import pytest
-from router_fixtures import MAX_MODEL_LEN, ROUTER_CONFIG, start_cluster, wait_for
+from router_fixtures import MAX_MODEL_LEN, ROUTER_CONFIG, engine_held, start_cluster, wait_for
 
 from pagedserve.router.client import Client
 
@@ -337,9 +337,13 @@ def test_disconnect_mid_stream_returns_every_block(cluster, http_address, model)
     ).encode()
     before = cluster.router.call(lambda r: r.counters["requests"])
     cancelled = ended(cluster, "CANCELLED")
-    head = raw_post(http_address, "/v1/completions", body, read=600)  # a few chunks, then gone
-    assert head.startswith(b"HTTP/1.1 200") and b"data: " in head
-    wait_for(lambda: not cluster.router.call(lambda r: r.active_requests), what="request to end")
+    # Held after 40 decode steps (events well over 600 bytes, whatever text the tokens
+    # make): still running when the client goes, on any machine; only the disconnect's
+    # cancel can end it.
+    with engine_held(cluster.pool("decode"), after_steps=40):
+        head = raw_post(http_address, "/v1/completions", body, read=600)  # a few chunks, gone
+        assert head.startswith(b"HTTP/1.1 200") and b"data: " in head
+        wait_for(lambda: not cluster.router.call(lambda r: r.active_requests), what="its end")
     cluster.wait_quiescent()
     assert cluster.router.call(lambda r: r.counters["requests"]) == before + 1
     assert ended(cluster, "CANCELLED") == cancelled + 1  # cut short, not run to the end
@@ -355,14 +359,16 @@ def test_disconnect_before_the_answer_cancels_a_non_streaming_request(cluster, h
     (decode,) = cluster.pool("decode")
     cancelled = ended(cluster, "CANCELLED")
     host, port = http_address.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        wait_for(lambda: decode.loop.call(lambda e: bool(e.requests)), what="generation")
-    wait_for(lambda: not cluster.router.call(lambda r: r.active_requests), what="request to end")
+    # Held after its first step: still generating when the client goes, on any machine.
+    with engine_held([decode]):
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            wait_for(lambda: decode.loop.call(lambda e: bool(e.requests)), what="generation")
+        wait_for(lambda: not cluster.router.call(lambda r: r.active_requests), what="its end")
     cluster.wait_quiescent()
     assert ended(cluster, "CANCELLED") == cancelled + 1  # cut short, not run to the end
 
@@ -391,9 +397,14 @@ def test_serving_benchmark_drives_the_http_api(cluster, http_address):
     assert [r.output_tokens for r in run.records] == [6, 6, 6]  # counted by token ids
     assert all(r.success and r.chunk_times for r in run.records)
     # The time cap cancels what still runs: the server aborts it, the blocks return.
+    # Held after one decode step, it still runs when the cap comes, on any machine;
+    # the cap only has to outlast its way there (milliseconds; held.wait checks it).
     long = Phase("cap", (Arrival(0.0, RequestSpec("long", tuple(range(5, 15)), 240)),))
-    capped = run_phase(f"http://{http_address}", long, timeout_s=0.3)
+    with engine_held(cluster.pool("decode")) as held:
+        capped = run_phase(f"http://{http_address}", long, timeout_s=1.0)
+        held.wait(0)
     assert not capped.records[0].success
+    assert capped.records[0].chunk_times  # it was streaming when cut
     wait_for(lambda: not cluster.router.call(lambda r: r.active_requests), what="request to end")
     cluster.wait_quiescent()
 
@@ -412,20 +423,23 @@ def test_drain_ends_http_streams_with_an_error_event_and_refuses_new_ones_503(mo
     try:
         address = c.router.router.http.address
         client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="x", max_retries=0)
-        stream = client.completions.create(
-            model=model,
-            prompt="Hi there",
-            max_tokens=240,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        chunks = iter(stream)
-        next(chunks)  # streaming
-        drain = asyncio.run_coroutine_threadsafe(c.router.router.drain(0.0), c.router.loop)
-        with pytest.raises(openai.APIError, match="shutting down"):
-            for _ in chunks:
-                pass
-        assert drain.result(30) == 1  # the stream was cut
+        # Held after 40 steps (text enough for a first chunk: the detokenizer may hold
+        # back a token's text): still streaming when drained, on any machine.
+        with engine_held(c.pool("decode"), after_steps=40):
+            stream = client.completions.create(
+                model=model,
+                prompt="Hi there",
+                max_tokens=240,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            chunks = iter(stream)
+            next(chunks)  # streaming
+            drain = asyncio.run_coroutine_threadsafe(c.router.router.drain(0.0), c.router.loop)
+            with pytest.raises(openai.APIError, match="shutting down"):
+                for _ in chunks:
+                    pass
+            assert drain.result(30) == 1  # the stream was cut
         with pytest.raises(openai.InternalServerError) as e:
             client.completions.create(model=model, prompt="hi", max_tokens=2)
         assert e.value.status_code == 503 and "shutting down" in e.value.message

@@ -9,7 +9,7 @@ import random
 
 import numpy as np
 import pytest
-from router_fixtures import MAX_MODEL_LEN, ROUTER_CONFIG, start_cluster
+from router_fixtures import MAX_MODEL_LEN, ROUTER_CONFIG, engine_held, start_cluster
 
 from benchmarks.serving import (
     SLO,
@@ -258,6 +258,7 @@ TINY_WORKLOAD = WorkloadConfig(
     long_every_s=0.2,
 )
 CONCURRENCY = 2
+CAP_S = 1.0
 
 
 @pytest.mark.parametrize("config", serving_configs(1, 1), ids=lambda c: c.name)
@@ -273,7 +274,11 @@ def test_benchmark_core_through_router(config):
         runs = measure_config(cluster.address, phases, concurrency=CONCURRENCY, timeout_s=60.0)
         sent = sum(len(p.arrivals) for p in phases)
         counters = cluster.router.call(lambda r: dict(r.counters))
-        capped = run_phase(cluster.address, too_long_phase(info.vocab_size), timeout_s=0.05)
+        # Held after its first decode step, the request is running when the cap comes,
+        # on any machine; CAP_S only has to outlast its way there (milliseconds).
+        with engine_held(cluster.pool("decode")) as held:
+            capped = run_phase(cluster.address, too_long_phase(info.vocab_size), timeout_s=CAP_S)
+            held.wait(0)
         cluster.wait_quiescent()  # the cancelled request's blocks (and leases) came back
     finally:
         cluster.stop()
@@ -292,11 +297,12 @@ def test_benchmark_core_through_router(config):
     # the time cap: the running request is cancelled, the later one never sent
     assert [r.success for r in capped.records] == [False, False]
     assert capped.records[0].start is not None and capped.records[1].start is None
+    assert capped.records[0].chunk_times  # it was streaming when the cap came
     assert capped.records[1].error == "not sent: the phase's time cap came first"
 
 
 def too_long_phase(vocab_size: int) -> Phase:
-    """A request far longer than a 50 ms cap, then one sent only after 30 s."""
+    """A request held before its end (engine_held), then one sent only after 30 s."""
     rng = random.Random(7)
     spec = RequestSpec("short", random_prompt(8, vocab_size, rng), MAX_MODEL_LEN - 8)
     return Phase("capped", (Arrival(0.0, spec), Arrival(30.0, spec)))

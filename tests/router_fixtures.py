@@ -80,25 +80,50 @@ def engine_held(workers: Iterable[WorkerRuntime], after_steps: int = 1) -> Itera
     way, never by betting on a time. Uses the installed fault injector (the slow
     mode's, README "Development") or installs one for the block.
     """
-    injector = faults.active()
-    own = injector is None
-    if own:
-        injector = FaultInjector()
-        faults.install(injector)
-    held = HeldEngines(
-        {
-            w.config.worker_id: injector.pause(
-                ENGINE_STEP, only=w.config.worker_id, skip=after_steps - 1
-            )
-            for w in workers
-        }
-    )
-    try:
-        yield held
-    finally:
-        for gate in held.gates.values():
+    with _injector() as injector:
+        held = HeldEngines(
+            {
+                w.config.worker_id: injector.pause(
+                    ENGINE_STEP, only=w.config.worker_id, skip=after_steps - 1
+                )
+                for w in workers
+            }
+        )
+        try:
+            yield held
+        finally:
+            for gate in held.gates.values():
+                injector.withdraw(gate)
+
+
+@contextlib.contextmanager
+def decode_stream_held(worker: WorkerRuntime | None = None) -> Iterator[Gate]:
+    """Holds the next Decode stream that reaches its first message (on `worker`, or on
+    any): the router sees that request in flight until the block exits, whatever the
+    machine's speed, while every other request runs on (kvtransfer/faults.py, point
+    "Decode.step"). Its engine may finish it meanwhile: for a request held *in the
+    engine*, use engine_held. `gate.wait()` returns once it is held."""
+    with _injector() as injector:
+        gate = injector.pause("Decode.step", only=worker.config.worker_id if worker else None)
+        try:
+            yield gate
+        finally:
             injector.withdraw(gate)
-        if own and faults.active() is injector:
+
+
+@contextlib.contextmanager
+def _injector() -> Iterator[FaultInjector]:
+    """The installed fault injector (the slow mode's), or one installed for the block."""
+    injector = faults.active()
+    if injector is not None:
+        yield injector
+        return
+    injector = FaultInjector()
+    faults.install(injector)
+    try:
+        yield injector
+    finally:
+        if faults.active() is injector:
             faults.install(None)
 
 

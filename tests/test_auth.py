@@ -16,7 +16,13 @@ import hmac
 import grpc
 import pytest
 from builders import one_torch_thread  # noqa: F401 (autouse fixture)
-from router_fixtures import ROUTER_CONFIG, start_cluster, tiny_engine_config, wait_for
+from router_fixtures import (
+    ROUTER_CONFIG,
+    decode_stream_held,
+    start_cluster,
+    tiny_engine_config,
+    wait_for,
+)
 
 from pagedserve import cli, launch
 from pagedserve.common.api.limits import ConfigError
@@ -352,20 +358,24 @@ def test_a_tenant_never_hits_another_tenants_cache(keyed):
 def test_a_tenant_at_its_limit_is_refused_and_gets_its_slot_back(keyed):
     long = dict(max_tokens=200, **GREEDY)
     with client_of(keyed, "gamma") as g, client_of(keyed, "beta") as b:
-        stream = g.generate(token_ids=ids(300, 8), **long)
-        next(stream)  # running
-        with pytest.raises(grpc.RpcError) as err:
-            g.collect(token_ids=ids(400, 8), max_tokens=2)
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert err.value.details().startswith(
-            "tenant 'gamma' has 1 requests running or queued, its limit (max_inflight 1)"
-        )
-        assert b.collect(token_ids=ids(500, 8), max_tokens=2, **GREEDY)  # others unaffected
-        stream.cancel()
-        wait_for(
-            lambda: keyed.router.call(lambda r: r.dispatcher.tenant_limits.inflight["gamma"]) == 0,
-            what="gamma's slot to return after the cancel",
-        )
+        # gamma's stream held at its first message: running, on any machine.
+        with decode_stream_held() as held:
+            stream = g.generate(token_ids=ids(300, 8), **long)
+            held.wait()  # running
+            with pytest.raises(grpc.RpcError) as err:
+                g.collect(token_ids=ids(400, 8), max_tokens=2)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert err.value.details().startswith(
+                "tenant 'gamma' has 1 requests running or queued, its limit (max_inflight 1)"
+            )
+            assert b.collect(token_ids=ids(500, 8), max_tokens=2, **GREEDY)  # others go on
+            stream.cancel()
+            wait_for(
+                lambda: (
+                    keyed.router.call(lambda r: r.dispatcher.tenant_limits.inflight["gamma"]) == 0
+                ),
+                what="gamma's slot to return after the cancel",
+            )
         # A request that fails after admission (a token id outside the vocabulary is
         # found while tokenizing) returns its slot too, as does one that finishes.
         with pytest.raises(grpc.RpcError) as err:
@@ -382,20 +392,21 @@ def test_request_ids_are_per_tenant(keyed):
     refused as before."""
     long = dict(max_tokens=100, **GREEDY)
     with client_of(keyed, "alpha") as a, client_of(keyed, "beta") as b:
-        stream = a.generate(token_ids=ids(700, 8), request_id="shared-id", **long)
-        first = next(stream)
-        assert first.request_id == "shared-id"
-        got = list(
-            b.generate(token_ids=ids(800, 8), request_id="shared-id", max_tokens=3, **GREEDY)
-        )
-        assert {r.request_id for r in got} == {"shared-id"}
-        assert sum(len(r.token_ids) for r in got) == 3
-        with pytest.raises(grpc.RpcError) as err:
-            a.collect(token_ids=ids(900, 8), request_id="shared-id", max_tokens=2)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "request_id 'shared-id' is already in flight" in err.value.details()
-        assert "alpha" not in err.value.details()  # the client's own id, as it sent it
-        rest = [first, *stream]
+        # alpha's stream held at its first message: in flight, on any machine.
+        with decode_stream_held() as held:
+            stream = a.generate(token_ids=ids(700, 8), request_id="shared-id", **long)
+            held.wait()
+            got = list(
+                b.generate(token_ids=ids(800, 8), request_id="shared-id", max_tokens=3, **GREEDY)
+            )
+            assert {r.request_id for r in got} == {"shared-id"}
+            assert sum(len(r.token_ids) for r in got) == 3
+            with pytest.raises(grpc.RpcError) as err:
+                a.collect(token_ids=ids(900, 8), request_id="shared-id", max_tokens=2)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "request_id 'shared-id' is already in flight" in err.value.details()
+            assert "alpha" not in err.value.details()  # the client's own id, as it sent it
+        rest = list(stream)
         assert {r.request_id for r in rest} == {"shared-id"}
         assert sum(len(r.token_ids) for r in rest) == 100
     router_is_clean(keyed)

@@ -12,6 +12,7 @@ import grpc
 import pytest
 import torch
 from builders import one_torch_thread, started_workers, tiny_checkpoint  # noqa: F401
+from router_fixtures import engine_held, wait_for
 
 from pagedserve.common.api.sampling_params import SamplingParams
 from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -85,7 +86,7 @@ def decode_all(rt: WorkerRuntime, req, kv=None, **kw):
 
 def wait_clean(*rts: WorkerRuntime, leases: bool = True) -> None:
     """Every request ended: blocks back (free or cached), leases gone, invariants hold."""
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 5  # a liveness bound: it ends in milliseconds
     while time.monotonic() < deadline:
         busy = [rt for rt in rts if rt.engine.block_manager.usage() > 0 or rt.engine.requests]
         if leases:
@@ -204,11 +205,15 @@ def test_cancelled_decode_returns_blocks(workers):
     call = stub(dec, worker_pb2_grpc.DecodeStub).Decode(
         worker_pb2.DecodeRequest(request=tokenized("t-cancel", prompt(7), params)), timeout=30
     )
-    for got, _step in enumerate(call, start=1):
-        if got == 3:
-            break
-    assert dec.engine.block_manager.usage() > 0
-    call.cancel()
+    # Held after 3 steps: still running when cancelled, on any machine.
+    with engine_held([dec], after_steps=3):
+        for got, _step in enumerate(call, start=1):
+            if got == 3:
+                break
+        assert dec.loop.call(lambda e: e.block_manager.usage()) > 0
+        call.cancel()
+        # Gone while held: aborted by the cancel, not run to its end.
+        wait_for(lambda: not dec.loop.call(lambda e: e.requests), what="the abort")
     wait_clean(dec)
 
 

@@ -59,14 +59,25 @@ class HeldEngines:
     """The gates of `engine_held`, one per worker."""
 
     gates: dict[str, Gate]
+    injector: FaultInjector
 
     def wait(self, timeout: float = 10.0) -> str:
-        """Until one of the engines is held; returns its worker id."""
+        """Until one of the engines is held; returns its worker id. The other workers'
+        gates are withdrawn then: only that engine stays held."""
         wait_for(lambda: self.held() is not None, timeout, "an engine to be held")
-        return self.held()  # type: ignore[return-value]
+        wid = self.held()
+        assert wid is not None
+        for other, gate in self.gates.items():
+            if other != wid:
+                self.injector.withdraw(gate)
+        return wid
 
     def held(self) -> str | None:
         return next((w for w, g in self.gates.items() if g.reached.is_set()), None)
+
+    def release(self) -> None:
+        for gate in self.gates.values():
+            self.injector.withdraw(gate)
 
 
 @contextlib.contextmanager
@@ -87,13 +98,13 @@ def engine_held(workers: Iterable[WorkerRuntime], after_steps: int = 1) -> Itera
                     ENGINE_STEP, only=w.config.worker_id, skip=after_steps - 1
                 )
                 for w in workers
-            }
+            },
+            injector,
         )
         try:
             yield held
         finally:
-            for gate in held.gates.values():
-                injector.withdraw(gate)
+            held.release()
 
 
 @contextlib.contextmanager

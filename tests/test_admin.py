@@ -12,7 +12,7 @@ import json
 import threading
 
 import pytest
-from router_fixtures import ROUTER_CONFIG, start_cluster, wait_for
+from router_fixtures import ROUTER_CONFIG, engine_held, start_cluster, wait_for
 
 from pagedserve import admin_cli
 from pagedserve.router.admin import cluster_status
@@ -95,25 +95,31 @@ def test_a_draining_worker_finishes_its_stream_and_takes_no_new_request(cluster)
             errors.append(e)
             first.set()
 
-    t = threading.Thread(target=stream)
-    t.start()
-    assert first.wait(60)
-    busy = [w for w in cluster.pool("decode") if w.engine.stats().num_running]
-    assert len(busy) == 1, "the stream's decode worker"
-    leaving = busy[0]
-    wid = leaving.config.worker_id
-    result: list[bool] = []
-    drainer = threading.Thread(target=lambda: result.append(leaving.drain(timeout_s=60)))
-    drainer.start()
+    # Held after its first decode step until another request was served elsewhere: the
+    # stream is in flight while its worker drains, on any machine.
+    with engine_held(cluster.pool("decode")) as held:
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(60)
+        wid = held.wait()  # the stream's decode worker (the other one is not held)
+        leaving = cluster.workers[wid]
+        assert leaving.loop.call(lambda e: e.stats().num_running) == 1
+        result: list[bool] = []
+        drainer = threading.Thread(target=lambda: result.append(leaving.drain(timeout_s=60)))
+        drainer.start()
 
-    def decode_candidates() -> list[str]:
-        return cluster.router.call(lambda r: [w.worker_id for w in r.registry.candidates("decode")])
+        def decode_candidates() -> list[str]:
+            return cluster.router.call(
+                lambda r: [w.worker_id for w in r.registry.candidates("decode")]
+            )
 
-    wait_for(lambda: wid not in decode_candidates(), what=f"the router to stop choosing {wid}")
-    assert decode_candidates(), "the other decode worker still takes requests"
-    with cluster.client() as client:  # served elsewhere while the stream goes on
-        out = list(client.generate(token_ids=list(range(7, 30)), max_tokens=3, temperature=0.0))
-        assert sum(len(r.token_ids) for r in out) == 3
+        wait_for(lambda: wid not in decode_candidates(), what=f"the router to stop choosing {wid}")
+        assert decode_candidates(), "the other decode worker still takes requests"
+        with cluster.client() as client:  # served elsewhere while the stream goes on
+            out = list(client.generate(token_ids=list(range(7, 30)), max_tokens=3, temperature=0.0))
+            assert sum(len(r.token_ids) for r in out) == 3
+        assert leaving.loop.call(lambda e: e.stats().num_running) == 1  # still in flight
+        held.release()  # now it runs to its end
     t.join(120)
     drainer.join(120)
     assert not errors

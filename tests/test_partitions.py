@@ -88,6 +88,8 @@ for line in sys.stdin:
             spec = faults.FaultSpec.parse(arg) if arg else None
             faults.install(faults.FaultInjector(spec) if spec else None)
             out = {}
+        elif cmd == "counts":  # what the injector did so far ("chunks": entered the hook)
+            out = dict(faults.active().counts) if faults.active() else {}
         print("STATE", json.dumps(out), flush=True)
     except Exception as e:
         print("ERROR", repr(e).replace("\n", " "), flush=True)
@@ -278,9 +280,10 @@ def run_request(lab: Lab, ids: list[int], during: Callable[[threading.Event], No
 
 
 def in_transfer(lab: Lab) -> None:
-    """Until the decode worker is inside Decode, pulling (the chunk is held on p0)."""
+    """Until the decode worker is pulling: p0 holds its first chunk (TRANSFER_WINDOW)
+    now, and for 1.5 s, time enough to inject the fault meanwhile."""
     wait_for(lambda: router_inflight(lab, "d0") == 1, 20, "the decode call")
-    time.sleep(0.3)
+    wait_for(lambda: lab.workers["p0"].command("counts").get("chunks", 0) >= 1, 20, "the pull")
 
 
 def cut_kv_link_in_transfer(lab: Lab, first: threading.Event) -> Callable[[], None]:

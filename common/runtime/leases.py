@@ -110,6 +110,12 @@ class LeaseReleaser:
             with self._lock:
                 self._pending -= 1
 
+    @property
+    def pending(self) -> int:
+        """Releases asked for and not ended yet (0: every one asked for has been sent)."""
+        with self._lock:
+            return self._pending
+
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.channels.close()

@@ -22,6 +22,7 @@ import grpc
 import pytest
 import torch
 from builders import one_torch_thread, started_workers, tiny_checkpoint  # noqa: F401
+from router_fixtures import engine_held, wait_for
 from test_workers import tokenized, wait_clean
 
 from pagedserve.common.api.outputs import ErrorKind, FinishReason, RequestOutput
@@ -301,11 +302,6 @@ def test_decode_worker_fails_one_stream_and_finishes_the_other(workers, alone, f
                 good_in_flight.append("good" in engine.requests)
 
         dec.loop.step_hooks.append(hook)
-    good_stream = decode_stub(dec).Decode(
-        worker_pb2.DecodeRequest(request=tokenized("good", ps[0], good)), timeout=30
-    )
-    first = next(good_stream)  # "good" is in the batch before "bad" arrives
-    got = list(first.response.token_ids)
     errors: list[grpc.RpcError] = []
 
     def run_bad() -> None:
@@ -317,8 +313,18 @@ def test_decode_worker_fails_one_stream_and_finishes_the_other(workers, alone, f
         except grpc.RpcError as e:
             errors.append(e)
 
-    t = threading.Thread(target=run_bad)
-    t.start()
+    # "good" held after its first step until "bad" is in the engine: the two share the
+    # next batch on any machine (200 tokens could otherwise end before "bad" arrives).
+    with engine_held([dec]) as held:
+        good_stream = decode_stub(dec).Decode(
+            worker_pb2.DecodeRequest(request=tokenized("good", ps[0], good)), timeout=30
+        )
+        first = next(good_stream)  # "good" is in the batch before "bad" arrives
+        got = list(first.response.token_ids)
+        held.wait()
+        t = threading.Thread(target=run_bad)
+        t.start()
+        wait_for(lambda: dec.loop.call(lambda e: "bad" in e.requests), what="bad to arrive")
     for step in good_stream:
         got += step.response.token_ids
     t.join(30)

@@ -264,7 +264,8 @@ class EngineLoop:
                 continue
             if self._held is not None:
                 if not self._held():
-                    idle = True  # commands only, polled every 50 ms
+                    idle = True  # commands only, polled every 50 ms (as an idle loop)
+                    self._after_step()
                     continue
                 self._held = None
             try:

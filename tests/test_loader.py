@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import builders
@@ -353,10 +352,12 @@ def test_cache_is_published_atomically_and_reused(tmp_path, monkeypatch):
     test_model's default-model test whenever the cache is cold.)"""
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
     calls = []
+    both_inside = threading.Barrier(2, timeout=60)  # 60 s: a liveness bound
 
     def slow_copy(gguf: Path, out_dir: Path) -> None:
         calls.append(out_dir)
-        time.sleep(0.3)  # both threads are inside the conversion at once
+        if len(calls) <= 2:
+            both_inside.wait()  # both first loads are inside the conversion at once
         for f in tiny_checkpoint("llama").iterdir():
             shutil.copy(f, out_dir / f.name)
 

@@ -20,16 +20,32 @@ from builders import tiny_checkpoint
 from pagedserve.common.api.sampling_params import SamplingParams
 from pagedserve.common.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagedserve.common.core.llm import LLM
+from pagedserve.kvtransfer import faults
 from pagedserve.launch import Cluster, ClusterSpec
 from pagedserve.router.client import Client
 from pagedserve.v1 import worker_pb2
 
 MAX_TOKENS = 16
 GREEDY = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# The decode worker that test_scale_up_then_down_while_streams_run adds, then drains, is
+# slowed (kvtransfer/faults.py, read by each actor from the environment Ray inherits):
+# its 200-token streams take 4 s at least, so they still run when it is told to leave,
+# on any machine. A fault spec set by the caller (the slow mode) takes precedence.
+SLOW_LEAVER = "delay_rpc=Engine.step:20,only=decode-1"
 
 
 @pytest.fixture(scope="module")
 def cluster():
+    saved = os.environ.get(faults.ENV)
+    os.environ.setdefault(faults.ENV, SLOW_LEAVER)
+    try:
+        yield from _cluster()
+    finally:
+        if saved is None:
+            os.environ.pop(faults.ENV, None)
+
+
+def _cluster():
     ckpt = str(tiny_checkpoint("llama"))
     spec = ClusterSpec(
         model=ckpt,
@@ -230,7 +246,7 @@ def test_scale_up_then_down_while_streams_run(cluster, reference):
         t.start()
     started.wait(60)
     leaving = cluster.decode[1]
-    assert worker_stats(leaving).num_running > 0, "no stream on the leaving worker"
+    assert worker_stats(leaving).num_running > 0, "no stream on the leaving worker"  # slowed
     summary = cli("scale", "--decode", "1", "--drain-timeout-s", "60")
     assert summary == "now 2 prefill + 1 decode worker(s); stopped decode-1\n"  # none cut
     for t in threads:

@@ -8,7 +8,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-dtypes lint bench venv prereqs redis promtool proto clean
+.PHONY: run test test-dtypes test-speeds lint bench venv prereqs redis promtool kubectl proto clean
 
 venv: $(STAMP)
 
@@ -54,11 +54,19 @@ promtool:
 	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus) \
 	    >/dev/null 2>&1 || echo "promtool unavailable: its tests will be skipped"; }
 
+# kubectl renders deploy/k8s in the tests, compared with their own renderer (the
+# comparison skips, saying so, without it).
+kubectl:
+	@command -v kubectl >/dev/null || { \
+	  echo "installing kubectl (Debian package kubectl)"; \
+	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends kubectl) \
+	    >/dev/null 2>&1 || echo "kubectl unavailable: its test will be skipped"; }
+
 DEMO ?= What is the capital of France?
 run: venv proto
 	$(VENV)/bin/pagedserve up --demo "$(DEMO)"
 
-test: venv redis promtool proto
+test: venv redis promtool kubectl proto
 	$(PY) -m pytest -q
 	@$(MAKE) --no-print-directory test-dtypes
 
@@ -73,6 +81,15 @@ DTYPE_TESTS = $(shell grep -l dtype_auto tests/test_*.py)
 test-dtypes: venv proto
 	PAGEDSERVE_CPU_FLAGS="avx512f avx512_bf16 amx_bf16" $(PY) -m pytest -q -m dtype_auto $(DTYPE_TESTS)
 	PAGEDSERVE_CPU_FLAGS="avx512f" $(PY) -m pytest -q -m dtype_auto $(DTYPE_TESTS)
+
+# The tests that hold requests in flight, run with every worker's engine slowed by
+# fault injection (20 ms a step: kvtransfer/faults.py) and as fast as it goes: neither
+# may change an outcome (README "Development").
+SPEED_TESTS ?= tests/test_router.py tests/test_openai_api.py tests/test_serving_bench.py \
+  tests/test_auth.py tests/test_workers.py tests/test_admin.py tests/test_isolation.py
+test-speeds: venv proto
+	PAGEDSERVE_FAULTS="delay_rpc=Engine.step:20" $(PY) -m pytest -q $(SPEED_TESTS)
+	$(PY) -m pytest -q $(SPEED_TESTS)
 
 bench: venv proto
 	$(PY) -m benchmarks.kv_waste

@@ -986,10 +986,54 @@ def test_promtool_checks_config_rules_and_alert_unit_tests():
 
 @needs_promtool
 def test_promtool_checks_the_kubernetes_config():
+    """Upstream promtool checks the file whole. Debian's is built without Kubernetes
+    discovery: there the test below checks the rest with promtool and the discovery
+    block by schema (README "Development")."""
     out = promtool("check", "config", "prometheus-kubernetes.yml")
     if "field kubernetes_sd_configs not found" in out.stdout + out.stderr:
-        pytest.skip("this promtool is built without Kubernetes discovery (Debian's is)")
+        pytest.skip(
+            "this promtool is built without Kubernetes service discovery (Debian's is): "
+            "test_promtool_checks_the_kubernetes_config_but_its_discovery checks the rest"
+        )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# What Prometheus accepts in a kubernetes_sd_configs entry (the fields this project may
+# use; prometheus/discovery/kubernetes SDConfig), and its roles.
+K8S_SD_FIELDS = {"role", "namespaces", "selectors", "api_server", "attach_metadata"}
+K8S_SD_ROLES = {"node", "pod", "service", "endpoints", "endpointslice", "ingress"}
+
+
+def check_kubernetes_sd(sd: dict) -> None:
+    assert set(sd) <= K8S_SD_FIELDS, (
+        f"unknown kubernetes_sd_configs fields {set(sd) - K8S_SD_FIELDS}"
+    )
+    assert sd.get("role") in K8S_SD_ROLES, f"role {sd.get('role')!r}"
+    namespaces = sd.get("namespaces", {})
+    assert set(namespaces) <= {"names", "own_namespace"}, namespaces
+    names = namespaces.get("names", [])
+    assert isinstance(names, list) and all(isinstance(n, str) and n for n in names), names
+
+
+@needs_promtool
+def test_promtool_checks_the_kubernetes_config_but_its_discovery(tmp_path):
+    """Every promtool whatever its build: the Kubernetes config with its discovery
+    block swapped for a static target (global, rule files, relabelling: promtool's
+    check), and that block checked against the fields and roles Prometheus accepts."""
+    kube = yaml.safe_load((PROM / "prometheus-kubernetes.yml").read_text())
+    for job in kube["scrape_configs"]:
+        for sd in job.pop("kubernetes_sd_configs"):
+            check_kubernetes_sd(sd)
+        job["static_configs"] = [{"targets": ["pod.example:9400"]}]
+    for rules in kube["rule_files"]:
+        shutil.copy(PROM / rules, tmp_path / rules)
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(kube))
+    out = promtool("check", "config", "prometheus.yml", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # The schema check can fail: a misspelt field or role is caught.
+    for bad in ({"role": "pods"}, {"role": "pod", "namespace": {"names": ["x"]}}):
+        with pytest.raises(AssertionError):
+            check_kubernetes_sd(bad)
 
 
 def test_scrape_configs_and_targets_parse():

@@ -190,6 +190,9 @@ def router_is_clean(router: RouterHandle) -> None:
 
 
 # ---- Decode streams end within a bound, naming the worker -------------------------------
+# The fakes hang until the bound fires, on any machine. Where a real worker serves too,
+# the short idle bounds (0.3-0.5 s) are only liveness limits for it: its messages come
+# milliseconds apart (20 ms with the slow mode's delay).
 
 
 def test_hung_decode_before_any_token_ends_unavailable_naming_the_worker(fakes):

@@ -397,10 +397,10 @@ def test_serving_benchmark_drives_the_http_api(cluster, http_address):
     assert [r.output_tokens for r in run.records] == [6, 6, 6]  # counted by token ids
     assert all(r.success and r.chunk_times for r in run.records)
     # The time cap cancels what still runs: the server aborts it, the blocks return.
-    # Held after one decode step, it still runs when the cap comes, on any machine;
+    # Held after 8 decode steps (tokens streamed), it still runs when the cap comes;
     # the cap only has to outlast its way there (milliseconds; held.wait checks it).
     long = Phase("cap", (Arrival(0.0, RequestSpec("long", tuple(range(5, 15)), 240)),))
-    with engine_held(cluster.pool("decode")) as held:
+    with engine_held(cluster.pool("decode"), after_steps=8) as held:
         capped = run_phase(f"http://{http_address}", long, timeout_s=1.0)
         held.wait(0)
     assert not capped.records[0].success

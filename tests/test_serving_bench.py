@@ -274,9 +274,9 @@ def test_benchmark_core_through_router(config):
         runs = measure_config(cluster.address, phases, concurrency=CONCURRENCY, timeout_s=60.0)
         sent = sum(len(p.arrivals) for p in phases)
         counters = cluster.router.call(lambda r: dict(r.counters))
-        # Held after its first decode step, the request is running when the cap comes,
+        # Held after 8 decode steps (tokens streamed), it is running when the cap comes,
         # on any machine; CAP_S only has to outlast its way there (milliseconds).
-        with engine_held(cluster.pool("decode")) as held:
+        with engine_held(cluster.pool("decode"), after_steps=8) as held:
             capped = run_phase(cluster.address, too_long_phase(info.vocab_size), timeout_s=CAP_S)
             held.wait(0)
         cluster.wait_quiescent()  # the cancelled request's blocks (and leases) came back

@@ -17,7 +17,8 @@ candidates on this CPU, on the model's own weights, when the model is packed.
 
 How (`choose`): one weight per role (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`
 of layer 0, and the LM head): every layer has the same shapes, so one layer stands for
-all 30. Each candidate gets its own packed copy of that weight, and is timed at the row
+all 30. The candidates are the packed backends ("mkl", "onednn"; `auto_candidates` says
+why not "plain"). Each gets its own packed copy of that weight, and is timed at the row
 counts the engine runs it at: decode-sized and prefill-sized batches (`LAYER_ROWS`), the
 LM head at decode sizes only (`HEAD_ROWS`: logits are computed only for sampled rows),
 at torch's current thread count (the engine sets it before loading). Backends take
@@ -27,13 +28,15 @@ while the cell's time budget lasts). The score of a backend is the geometric mea
 row counts of its time over the best time at that row count (1.0: fastest everywhere);
 `pick` takes the lowest, except that a backend earlier in `PREFERENCE` within `TIE` of
 it wins instead: close calls resolve the same way every time, towards no copy and
-bit-parity ("plain") and then torch's own oneDNN. A weight hot in cache is timed
-(the model cycles through 30 layers' weights): that favours no backend that the
-choice depends on where the differences are large, and the tie band covers the rest.
+bit-parity ("plain") and then torch's own oneDNN. The timed weight is hot in cache,
+where the model streams 30 layers' weights through it: a simplification, accepted
+since the choice matters where the backends differ by far more (2x on AMD EPYCs) than
+cache residency moves them, and the tie band absorbs the close calls.
 The outcome is cached per (shape, rows, threads, candidates) for the process, so the
-engines of one process (tests, benchmarks) choose alike and measure once. Cost: ~0.5 s
-for SmolLM2-135M on 2 threads (a few ms on the tiny test models); `choose` logs one
-line with every shape's choice and times.
+engines of one process (tests, benchmarks) choose alike and measure once. Cost: 1.6 s
+for SmolLM2-135M on 2 threads of a shared Zen 4 EPYC (2.5 s in busier minutes; the LM
+head's cells are half of it), a few ms on the tiny test models; `choose` logs one line
+with every shape's choice and times.
 
 Override (`resolve_mode`): EngineConfig.fp32_gemm (`--fp32-gemm`) or, where that is
 not given, $PAGEDSERVE_FP32_GEMM: "auto" (measure; the default) or a backend name for

@@ -127,6 +127,25 @@ def test_mode_from_the_argument_else_the_environment_else_auto(monkeypatch):
         EngineConfig(dtype="float32", fp32_gemm="fast")  # type: ignore[arg-type]
 
 
+def test_mkl_pack_off_leaves_mkl_out_of_the_choice_and_refuses_forcing_it(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_MKL_PACK", "0")
+    assert "mkl" not in fp32_gemm.available_backends()
+    assert "mkl" not in fp32_gemm.auto_candidates()
+    assert fp32_gemm.auto_candidates() == (
+        ("onednn",) if fp32_gemm.onednn_available() else ("plain",)
+    )
+    with pytest.raises(ValueError, match="'mkl' is not available here"):
+        fp32_gemm.forced({"o_proj": (torch.zeros(4, 4), (16,))}, "mkl")
+
+
+def test_a_single_candidate_is_taken_without_timing():
+    def measure(w, rows, backends):
+        raise AssertionError("nothing to compare")
+
+    got = fp32_gemm.choose({"o_proj": (torch.zeros(4, 4), (16,))}, ("plain",), measure)
+    assert got["o_proj"].backend == "plain" and got["o_proj"].times == {}
+
+
 # ---- in the model ---------------------------------------------------------------------
 
 

@@ -134,9 +134,9 @@ def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
     fp32 from 2026-12-02 took MKL's packed GEMM instead (`mkl_pack`; 8-25 % faster
     than oneDNN's prepacked matmul at 4-2048 rows on a Skylake-SP Xeon), which on AMD
     EPYCs runs at about half of oneDNN's rate. Since 2026-12-05 neither is fixed: the
-    backend of each fp32 weight shape (MKL packed, oneDNN prepacked, or plain `x @ w`)
-    is measured at load on this CPU (`fp32_gemm`; EngineConfig.fp32_gemm /
-    $PAGEDSERVE_FP32_GEMM force one). Same numerics story for both packed backends.
+    backend of each fp32 weight shape (MKL packed or oneDNN prepacked) is measured at
+    load on this CPU (`fp32_gemm`; EngineConfig.fp32_gemm / $PAGEDSERVE_FP32_GEMM force
+    one, or plain `x @ w`). Same numerics story for both packed backends.
     `PAGEDSERVE_PREPACK=0` turns packing off (plain `x @ w` everywhere: bit-identical
     fp32 logits to transformers); `PAGEDSERVE_MKL_PACK=0` leaves MKL out of the choice.
     """

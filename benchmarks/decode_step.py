@@ -152,7 +152,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--no-baseline", action="store_true", help="skip transformers")
     add_on_off(ap, "--kernel", "C attention kernel where it fits (off: the torch path)")
     add_on_off(
-        ap, "--prepack", "weights packed at load (fp32: MKL, bf16: oneDNN; model.can_prepack)"
+        ap,
+        "--prepack",
+        "weights packed at load (fp32: the GEMM measured at load, bf16: oneDNN; model.can_prepack)",
     )
     add_on_off(ap, "--fused", "fused C kernels of the small ops (CPU, model.can_fuse)")
     ap.add_argument(

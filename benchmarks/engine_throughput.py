@@ -6,6 +6,8 @@
         --vllm-python /work/vllm-venv/bin/python --threads 2 --json vllm.json  # side by side
     python -m benchmarks.engine_throughput --skip-baselines --dtype bfloat16 float32 \
         --kernel on off --prepack on off --repeat 3 --json engine.json   # before/after
+    python -m benchmarks.engine_throughput --skip-baselines --dtype float32 \
+        --fp32-gemm mkl auto --repeat 3   # fp32 GEMM fixed (MKL) vs measured at load
 
 The workload (benchmarks/workloads/engine64.json, a copy of the project's fixed
 workload): 64 requests for the default model, prompts of random token ids 16-512
@@ -20,7 +22,7 @@ Measured, in one run, each after a warm-up:
    the first N requests and reports their rate, labelled as such);
 4. optionally vLLM's CPU build in its own virtual environment (`--vllm-python`), once
    per `--dtype` and round, all requests at once through `LLM.generate`.
-With several `--dtype`/`--kernel`/`--prepack`/`--fused` values, every combination of
+With several `--dtype`/`--kernel`/`--prepack`/`--fused`/`--fp32-gemm` values, every combination of
 engine settings runs in turn, `--repeat` alternating rounds (vLLM runs in every round,
 after pagedserve's), each reported at its median round, and with more than one round
 `paired x`: the median over rounds of the reference row's rate over this row's in the
@@ -130,10 +132,12 @@ def run_engine(
     prepack: bool = True,
     fused: bool = True,
     model: str | None = None,
+    fp32_gemm: str = "auto",
 ) -> dict:
     """One engine over the workload. `kernel`/`prepack`/`fused` False turn off the
     compiled CPU attention kernel / the weights packed at load (MKL fp32, oneDNN
-    bf16) / the fused CPU ops (for before/after).
+    bf16) / the fused CPU ops (for before/after); `fp32_gemm` picks fp32's GEMM backend
+    ("auto": measured at load; "mkl" is the fixed choice before 2026-12-05).
     Its start-up (construction: weights loaded and prepacked, KV cache allocated; then
     the warm-up request) is timed like vLLM's: LLM() plus the same warm-up."""
     t_start = time.perf_counter()
@@ -141,6 +145,7 @@ def run_engine(
         EngineConfig(
             model=model,
             dtype=dtype,  # type: ignore[arg-type]
+            fp32_gemm=fp32_gemm,  # type: ignore[arg-type]
             cache=CacheConfig(),
             scheduler=SchedulerConfig(
                 max_num_seqs=max(64, len(reqs)), max_num_batched_tokens=max_batched_tokens
@@ -187,6 +192,8 @@ def run_engine(
     fwd_s = after.forward_s_total - before.forward_s_total
     settings = f" (kernel {kernel}, prepack {prepack}, fused {fused})"
     settings = "" if kernel and prepack and fused else settings
+    if fp32_gemm != "auto" and engine.dtype_name == "float32" and prepack:
+        settings += f" (fp32 gemm {fp32_gemm})"
     return run_result(
         f"pagedserve engine{settings}".replace("True", "on").replace("False", "off"),
         engine.dtype_name,
@@ -564,6 +571,14 @@ def _parser() -> argparse.ArgumentParser:
     add_on_off(ap, "--prepack", "oneDNN bf16 weights")
     add_on_off(ap, "--fused", "fused CPU ops, bf16 and fp32 (RMSNorm + add, SiLU-and-mul, RoPE)")
     ap.add_argument(
+        "--fp32-gemm",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "mkl", "onednn", "plain"],
+        help="fp32's GEMM backend (EngineConfig.fp32_gemm): auto (measured at load), mkl "
+        "(the fixed choice before), onednn, plain; several alternate like --prepack",
+    )
+    ap.add_argument(
         "--repeat", type=int, default=1, help="rounds of all engine variants, in alternation"
     )
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
@@ -611,7 +626,12 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = [resolve_dtype(d, "cpu") for d in args.dtype]
     dtype = dtypes[0]
     reqs = load_workload(args.workload, args.limit)
-    variants = [(d, *switches) for d in dtypes for switches in engine_switches(args, DTYPES[d])]
+    variants = [
+        (d, *switches, g)
+        for d in dtypes
+        for switches in engine_switches(args, DTYPES[d])
+        for g in (args.fp32_gemm if d == "float32" and switches[1] == "on" else args.fp32_gemm[:1])
+    ]
     runs: dict[tuple, list[dict]] = {v: [] for v in variants}
     vllm_runs: dict[str, list[dict]] = {d: [] for d in dict.fromkeys(dtypes)}
     failures: list[str] = []
@@ -620,8 +640,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.vllm_python:
         launch = vllm_launch(args.vllm_python, args.threads, args.vllm_eager)
     for _ in range(args.repeat):  # alternating rounds: a shared machine's load hits all
-        for d, k, pk, f in variants:
-            runs[(d, k, pk, f)].append(
+        for d, k, pk, f, g in variants:
+            runs[(d, k, pk, f, g)].append(
                 run_engine(
                     reqs,
                     d,
@@ -630,6 +650,7 @@ def main(argv: list[str] | None = None) -> int:
                     pk == "on",
                     f == "on",
                     args.model,
+                    g,
                 )
             )
         for d in vllm_runs if launch is not None else ():  # once per dtype, as asked

@@ -84,11 +84,11 @@ def test_thread_count_at_packing_does_not_change_results(pack_threads, run_threa
 
 
 def test_model_matmul_takes_the_packed_gemm_above_one_row_and_gemv_at_one():
-    """`pack_weight` packs fp32 for MKL; `_mm` uses it for more than one row and
+    """`pack_weight(w, "mkl")` packs fp32 for MKL; `_mm` uses it for more than one row and
     MKL's GEMV (`x @ w`, bit-identical to transformers' matmul) for one."""
     g = torch.Generator().manual_seed(9)
     w, x = torch.randn(64, 48, generator=g), torch.randn(5, 64, generator=g)
-    packed = pack_weight(w)
+    packed = pack_weight(w, "mkl")
     assert type(packed) is mkl_pack.PackedMatrix
     assert torch.equal(_mm(x[:1], w, None, packed), x[:1] @ w)
     assert torch.equal(_mm(x, w, None, packed), packed.mm(x))

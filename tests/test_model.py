@@ -163,8 +163,9 @@ PREPACK_REL_TOL_FP32 = 1e-4
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases (fused)
 def test_prepacked_weights_match_torch_matmuls(arch, dtype):
-    """bf16 and fp32 on CPU: the packed matrices (model.can_prepack: MKL's packed
-    GEMM in fp32, oneDNN in bf16) against torch's own matmul on the same weights; a
+    """bf16 and fp32 on CPU: the packed matrices (model.can_prepack: in fp32 MKL's
+    packed GEMM or oneDNN, measured at load, tests/test_fp32_gemm.py forces each;
+    oneDNN in bf16) against torch's own matmul on the same weights; a
     weight changed in place is picked up by `prepack_weights()`; False drops the copies."""
     model = load_model(str(tiny_checkpoint(arch)), dtype=dtype).model
     if not can_prepack(dtype, model.device):

@@ -101,6 +101,11 @@ class EngineConfig:
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     attention_backend: str | None = None  # None: Triton on CUDA, torch on CPU
+    # fp32 on the CPU: the GEMM behind each weight shape. "auto" measures MKL's packed
+    # GEMM, oneDNN's prepacked matmul and plain `x @ w` at load and keeps the fastest
+    # (the faster one differs by CPU, up to 2x; common/core/fp32_gemm.py); a backend
+    # name forces it. None: $PAGEDSERVE_FP32_GEMM, else "auto".
+    fp32_gemm: Literal["auto", "mkl", "onednn", "plain"] | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_n: int = 16  # largest `n` (parallel samples) a request may ask for
@@ -114,6 +119,10 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ConfigError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
+            )
+        if self.fp32_gemm not in (None, "auto", "mkl", "onednn", "plain"):
+            raise ConfigError(
+                f"fp32_gemm must be auto, mkl, onednn or plain, got {self.fp32_gemm!r}"
             )
         self.limits  # noqa: B018 (checks max_n, max_logprobs)
 

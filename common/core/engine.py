@@ -125,6 +125,7 @@ class LLMEngine:
             dtype=dtype,
             device=config.device,
             attention_backend=config.attention_backend,
+            fp32_gemm=config.fp32_gemm,
         )
         self.model = self.loaded.model
         self.tokenizer = self.loaded.tokenizer

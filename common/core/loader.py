@@ -106,8 +106,10 @@ def load_model(
     device: str | torch.device = "cpu",
     attention_backend: str | None = None,
     progress: Callable[[str], None] | None = None,
+    fp32_gemm: str | None = None,
 ) -> LoadedModel:
-    """Load `model` (see `resolve_model_dir`) in `dtype` on `device`.
+    """Load `model` (see `resolve_model_dir`) in `dtype` on `device`; `fp32_gemm`:
+    how fp32 weights' GEMM backends are chosen (`PagedCausalLM`'s `fp32_gemm_mode`).
 
     Fails before reading any weights, naming the problem, for an unsupported
     architecture, a dtype the device lacks, or a head_dim/dtype the attention
@@ -124,7 +126,7 @@ def load_model(
     _report(progress, f"loading weights from {source_dir}")
     t0 = time.perf_counter()
     files = _safetensors_files(source_dir)
-    net = PagedCausalLM(spec, backend, dtype=dtype, device=device)
+    net = PagedCausalLM(spec, backend, dtype=dtype, device=device, fp32_gemm_mode=fp32_gemm)
     net.load_weights(_iter_safetensors(files))
     net.eval()
     tokenizer = load_tokenizer(source_dir)

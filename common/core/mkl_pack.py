@@ -1,9 +1,11 @@
-"""fp32 weights packed once for MKL's packed GEMM (cblas_sgemm_pack / _compute).
+"""fp32 weights packed once for MKL's packed GEMM (cblas_sgemm_pack / _compute): one of
+the fp32 GEMM backends that `fp32_gemm` chooses between at load, by measuring.
 
-Why: at the row counts of decode and chunked-prefill steps, MKL's GEMM over a weight
-packed once at load runs faster than both the oneDNN-prepacked matmul the fp32 model
-used before (`model.pack_weight`) and MKL's plain `x @ w`. Measured on the 2-core
-Skylake-SP Xeon (avx512f, no avx512_bf16, no AMX), 2026-12-02, torch 2.13.0+cpu, 30
+Where it wins: at the row counts of decode and chunked-prefill steps on the 2-core
+Skylake-SP Xeon (avx512f, no avx512_bf16, no AMX), MKL's GEMM over a weight packed
+once at load ran faster than both the oneDNN-prepacked matmul and MKL's plain `x @ w`,
+and was the fixed fp32 choice from 2026-12-02 to 2026-12-05. Measured there,
+2026-12-02, torch 2.13.0+cpu, 30
 distinct weights of each of SmolLM2-135M's four matrices cycled as in the model, best
 of 5, ms for the four matrices of 30 layers (`qkv`, `o_proj`, `gate_up`, `down`),
 oneDNN prepacked -> MKL packed (packing hint m=256):
@@ -11,6 +13,11 @@ oneDNN prepacked -> MKL packed (packing hint m=256):
     rows        4      16      64     128     256     512    2048
     2 threads  47->35  64->50  146->112  249->202  469->382  898->810  3197->2948
     1 thread   78->76  110->98  255->220  487->425  840->747  1684->1478  6035->5744
+
+Where it loses: on AMD EPYCs (Zen 4 / Zen 5) MKL's fp32 GEMM runs at about half of
+oneDNN's rate on the same shapes (benchmarks/NOTES.md, "fp32 GEMM chosen at load"), so
+a fixed choice was wrong on one CPU or the other: `fp32_gemm` now times both on the
+model's own weights and keeps the faster one per weight shape.
 
 At one row MKL's plain GEMV (`x @ w`) stays the fastest (the caller keeps it there).
 torch exposes the same routine only as `mkl::_mkl_linear`, which uses the packed
@@ -26,7 +33,7 @@ test against transformers passes with it. `PAGEDSERVE_PREPACK=0` turns packing o
 (plain `x @ w`, bit-identical to transformers' matmuls).
 
 Where MKL or the symbols are missing (a torch built without MKL, e.g. on aarch64),
-`available()` is False and the model keeps oneDNN's prepacked weights.
+`available()` is False and `fp32_gemm` leaves MKL out of the choice.
 """
 
 from __future__ import annotations
@@ -70,7 +77,7 @@ def _lib() -> ctypes.CDLL | None:
             lib.cblas_sgemm_compute,
         )
     except (OSError, AttributeError) as e:
-        log.info("MKL packed GEMM not available (%s); fp32 weights stay oneDNN-prepacked", e)
+        log.info("MKL packed GEMM not available (%s); fp32 GEMM chosen without it", e)
         return None
     i, p = ctypes.c_int, ctypes.c_void_p
     get_size.restype = ctypes.c_size_t
@@ -83,7 +90,8 @@ def _lib() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether fp32 weights can be packed for MKL's packed GEMM here."""
+    """Whether fp32 weights can be packed for MKL's packed GEMM here
+    (`PAGEDSERVE_MKL_PACK=0`: no, so `fp32_gemm` chooses without it)."""
     return os.environ.get("PAGEDSERVE_MKL_PACK", "1") != "0" and _lib() is not None
 
 

